@@ -1,0 +1,68 @@
+"""The `ratchet` command line.
+
+    ratchet run [--steps N] [--run-id ID] [--store URI] [--config FILE.json]   the nightly cycle
+    ratchet sandbox run FILE [--json] | ratchet sandbox doctor                  the sandbox
+    ratchet envs import FILE --format taskspec|humaneval                         user task specs
+    ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
+    ratchet gate check FILE.parquet                                               the wave gate
+
+Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ratchet.data.cli import app as gate_app
+from ratchet.sandbox.cli import app as sandbox_app
+
+app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestrated with Prefect.",
+                  no_args_is_help=True, add_completion=False)
+app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspect its mechanisms.")
+app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
+try:  # environment production commands (envs/cli.py)
+    from envs.cli import app as envs_app, verify_command
+
+    app.add_typer(envs_app, name="envs", help="Import and inspect task specs.")
+    app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
+except ImportError:  # pragma: no cover - only while envs/cli.py is absent
+    pass
+
+SUMMARY_KEYS = ("run_id", "summary", "base_pass_rate", "final_pass_rate", "promoted", "steps", "wall_s")
+
+
+@app.command()
+def run(
+    steps: Optional[int] = typer.Option(None, help="Rollout waves (default: NightlyConfig.steps)."),
+    run_id: Optional[str] = typer.Option(None, help="Run id; an existing one is resumed from its LATEST checkpoint."),
+    store: Optional[str] = typer.Option(None, help="Artifact store URI (path, file://, s3://bucket/prefix)."),
+    config: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
+                                          help="JSON file of NightlyConfig fields (overrides)."),
+) -> None:
+    """Run the nightly training cycle now. The last line printed is one JSON object."""
+    from ratchet.config import NightlyConfig
+
+    fields = json.loads(config.read_text()) if config else {}
+    if steps is not None:
+        fields["steps"] = steps
+    if run_id is not None:
+        fields["run_id"] = run_id
+    if store is not None:
+        fields["store"] = {"uri": store}
+    cfg = NightlyConfig.model_validate(fields)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.nightly import nightly
+
+    summary = nightly(cfg)
+    sys.stderr.flush()
+    print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
+
+
+if __name__ == "__main__":
+    app()

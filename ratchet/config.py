@@ -1,0 +1,153 @@
+"""ratchet's configuration: one source of truth, frozen pydantic models.
+
+Every field carries a description and bounds; the models are used directly as Prefect flow
+parameters, so the descriptions render in the Prefect UI's run form. `deploy/prefect.yaml`
+holds only overrides.
+
+    from ratchet.config import NightlyConfig
+    cfg = NightlyConfig(steps=10, rl=RLConfig(estimator="rloo"))
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Frozen(BaseModel):
+    """Base for every config: immutable, unknown keys are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StoreConfig(Frozen):
+    uri: str = Field(
+        ".ratchet/store",
+        description="Artifact store: a local directory (path or file:// URI) or s3://bucket/prefix. "
+        "S3 endpoint and credentials come from RATCHET_S3_ENDPOINT, AWS_ACCESS_KEY_ID, "
+        "AWS_SECRET_ACCESS_KEY (and RATCHET_S3_SECURE=0 for plain HTTP).",
+    )
+
+
+class EnvsConfig(Frozen):
+    families: tuple[str, ...] = Field(
+        ("python_functions",), description="Environment families to produce and train on."
+    )
+    n_train: int = Field(3000, ge=1, le=1_000_000, description="Training tasks produced per family.")
+    n_heldout: int = Field(300, ge=1, le=100_000, description="Held-out evaluation tasks per family.")
+    seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
+    version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
+    max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
+
+
+class ModelConfig(Frozen):
+    path: str | None = Field(
+        None,
+        description="A local Hugging Face model directory to post-train. Empty: build the embedded "
+        "tiny Llama-style model and warm-start it with a short SFT.",
+    )
+    hidden_size: int = Field(192, ge=16, le=8192, description="Embedded model: hidden width.")
+    num_layers: int = Field(4, ge=1, le=64, description="Embedded model: transformer blocks.")
+    num_heads: int = Field(6, ge=1, le=64, description="Embedded model: attention heads.")
+    vocab_size: int = Field(384, ge=64, le=65536, description="Embedded model: BPE vocabulary size.")
+    max_seq_len: int = Field(256, ge=32, le=32768, description="Context length (prompt + completion).")
+    sft_steps: int = Field(120, ge=0, le=100_000, description="Warm-start SFT steps on demonstrations.")
+    sft_batch: int = Field(32, ge=1, le=4096, description="Warm-start SFT batch size.")
+    sft_lr: float = Field(2e-3, gt=0, le=1.0, description="Warm-start SFT learning rate.")
+    sft_fraction: float = Field(
+        0.35, gt=0, le=1.0, description="Fraction of the training tasks whose reference solutions are SFT demonstrations."
+    )
+    seed: int = Field(0, ge=0, description="Seed for weight initialisation and SFT.")
+
+
+class RolloutConfig(Frozen):
+    engine: Literal["torch"] = Field("torch", description="Rollout engine: the in-process torch engine (a vLLM server engine is not built yet).")
+    prompts_per_wave: int = Field(64, ge=1, le=65536, description="Distinct prompts sampled in one rollout wave.")
+    group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (the GRPO group).")
+    max_new_tokens: int = Field(48, ge=1, le=8192, description="Completion length cap, in tokens.")
+    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature.")
+    batch_size: int = Field(128, ge=1, le=65536, description="Sequences decoded together by the torch engine.")
+
+
+class RLConfig(Frozen):
+    estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
+        "grpo", description="Advantage estimator (ratchet.rl.advantages registry)."
+    )
+    clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio >= 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28).")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
+        "token_mean", description="How per-token losses reduce to one number (token- vs sequence-level)."
+    )
+    kl_coef: float = Field(0.0, ge=0, le=10, description="KL-to-reference coefficient; 0 skips the reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_in_reward: bool = Field(False, description="Apply the KL penalty to the reward instead of the loss.")
+    entropy_coef: float = Field(0.0, ge=0, le=1, description="Entropy bonus coefficient.")
+    is_cap: float = Field(2.0, ge=1, le=100, description="Truncation of the off-policy importance weight (TIS).")
+    drop_zero_variance: bool = Field(True, description="Drop groups whose rewards are all equal (dynamic sampling).")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (PPO only).")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO only).")
+    value_coef: float = Field(0.5, ge=0, le=10, description="Value loss coefficient (PPO only).")
+
+
+class TrainConfig(Frozen):
+    backend: Literal["torch", "deepspeed"] = Field("torch", description="Trainer backend.")
+    lr: float = Field(2e-4, gt=0, le=1.0, description="Adam learning rate for RL updates.")
+    weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, le=100_000, description="Linear LR warm-up, in optimizer steps.")
+    minibatch_prompts: int = Field(8, ge=1, le=65536, description="Prompts (groups) per optimizer step.")
+    updates_per_batch: int = Field(2, ge=1, le=64, description="Passes over each minibatch (PPO epochs).")
+    token_budget: int = Field(8192, ge=64, le=10_000_000, description="Micro-batch size in tokens (dynamic batching).")
+    max_grad_norm: float = Field(1.0, gt=0, le=1000, description="Gradient clipping norm.")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    offload: bool = Field(False, description="DeepSpeed: offload optimizer state to CPU.")
+    bf16: bool = Field(False, description="bf16 autocast (GPU) / DeepSpeed bf16.")
+    seed: int = Field(0, ge=0, description="Seed for data order and sampling.")
+
+
+class VerifyConfig(Frozen):
+    timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit of one verification run.")
+    memory_mb: int = Field(512, ge=32, le=65536, description="Address-space limit of one verification run.")
+    concurrency: int = Field(2, ge=1, le=1024, description="Verification runs in parallel.")
+    env_error_retries: int = Field(2, ge=0, le=10, description="Retries of a run that failed for infrastructure reasons.")
+
+
+class RewardConfig(Frozen):
+    partial_credit: bool = Field(True, description="Score the fraction of tests passed; off: 1.0 only for a full pass, else 0.")
+    timeout_reward: float = Field(-0.5, ge=-10, le=10, description="Reward of a run killed by its wall-clock limit.")
+    security_penalty: float | None = Field(
+        0.0, ge=-10, le=10, description="Reward of a run that raised a security flag (empty: flags do not change the reward)."
+    )
+    format_weight: float = Field(0.0, ge=0, le=1, description="Weight of format compliance mixed into the reward.")
+    max_env_error_rate: float = Field(0.05, ge=0, le=1, description="A family above this env_error rate is flagged for audit.")
+
+
+class GateConfig(Frozen):
+    max_env_error_rate: float = Field(0.05, ge=0, le=1, description="Largest tolerated fraction of env_error rows in a wave.")
+    max_zero_variance_frac: float = Field(
+        0.95, ge=0, le=1, description="Largest tolerated fraction of groups whose rewards are all equal."
+    )
+
+
+class EvalConfig(Frozen):
+    n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated (pass@1, greedy).")
+    min_gain: float = Field(0.0, ge=0, le=1, description="A checkpoint is promoted only if it beats the incumbent by more than this.")
+    every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
+
+
+class NightlyConfig(Frozen):
+    """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
+
+    run_id: str | None = Field(None, max_length=128, description="Run id; empty: a timestamped id.")
+    steps: int = Field(40, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
+    checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every N waves (and at the end).")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts live.")
+    envs: EnvsConfig = Field(default_factory=EnvsConfig, description="Environment production.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
+    rl: RLConfig = Field(default_factory=RLConfig, description="Advantages and losses.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Trainer backend and optimisation.")
+    verify: VerifyConfig = Field(default_factory=VerifyConfig, description="Sandboxed verification.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="How verifier metrics become rewards.")
+    gate: GateConfig = Field(default_factory=GateConfig, description="Validation gate thresholds.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation and promotion.")

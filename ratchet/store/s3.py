@@ -1,0 +1,144 @@
+"""S3 / MinIO backend on the `minio` client: production storage, same keys as local.
+
+Object `<key>` is `s3://<bucket>/<prefix>/<key>`; its sha256 (and size, rows) ride along as
+object metadata (`x-amz-meta-sha256`, ...), so `ref(key)` is one HEAD request. A single PUT
+is atomic in S3, so no temp objects are needed; pointers rely on write-then-pointer ordering
+(the minio client cannot send conditional-write headers).
+
+Connection from the environment:
+    RATCHET_S3_ENDPOINT      host:port (an http:// or https:// prefix is also accepted)
+    AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
+    RATCHET_S3_SECURE        1 (default, https) or 0 (plain http)
+    AWS_DEFAULT_REGION       default us-east-1
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+from ratchet.store.base import ArtifactStore
+
+_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound", "NotFound"}
+
+
+class _Body:
+    """A minio response as a closable binary stream that returns its connection to the pool."""
+
+    def __init__(self, resp):
+        self._resp = resp
+
+    def read(self, n: int = -1) -> bytes:
+        return self._resp.read() if n is None or n < 0 else self._resp.read(n)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._resp.close()
+        self._resp.release_conn()
+
+
+def _parse_meta(headers, size: int) -> dict[str, Any] | None:
+    """Our metadata from an object's headers (HEAD or GET: the same object version)."""
+    sha = headers.get("x-amz-meta-sha256")
+    if not sha:
+        return None
+    rows = headers.get("x-amz-meta-rows")
+    return {"sha256": sha, "size": size, "rows": int(rows) if rows is not None else None}
+
+
+def client_from_env():
+    """A minio client configured from RATCHET_S3_* / AWS_* environment variables."""
+    from minio import Minio
+
+    endpoint = os.environ.get("RATCHET_S3_ENDPOINT")
+    if not endpoint:
+        raise RuntimeError("an s3:// store needs RATCHET_S3_ENDPOINT=host:port (and AWS_ACCESS_KEY_ID, "
+                           "AWS_SECRET_ACCESS_KEY; RATCHET_S3_SECURE=0 for plain http)")
+    secure = os.environ.get("RATCHET_S3_SECURE", "1").strip().lower() not in ("0", "false", "no")
+    for scheme, is_secure in (("https://", True), ("http://", False)):
+        if endpoint.startswith(scheme):
+            endpoint, secure = endpoint[len(scheme):], is_secure
+    return Minio(
+        endpoint.rstrip("/"),
+        access_key=os.environ.get("AWS_ACCESS_KEY_ID"),
+        secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+        session_token=os.environ.get("AWS_SESSION_TOKEN"),
+        secure=secure,
+        region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
+    )
+
+
+class S3Store(ArtifactStore):
+    def __init__(self, uri: str, client=None):
+        if not uri.startswith("s3://"):
+            raise ValueError(f"not an s3:// URI: {uri!r}")
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        if not bucket:
+            raise ValueError(f"s3 URI without a bucket: {uri!r}")
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.root_uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.client = client or client_from_env()
+        self._ensure_bucket()
+
+    def _ensure_bucket(self) -> None:
+        from minio.error import S3Error
+
+        if self.client.bucket_exists(self.bucket):
+            return
+        try:
+            self.client.make_bucket(self.bucket)
+        except S3Error as e:  # created meanwhile by another worker
+            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _not_found(self, key: str) -> FileNotFoundError:
+        return FileNotFoundError(f"{key!r} is not in store {self.root_uri}")
+
+    def _write(self, key: str, data: bytes | Path, sha256: str, size: int, rows: int | None) -> None:
+        meta = {"sha256": sha256, "size": str(size)}
+        if rows is not None:
+            meta["rows"] = str(rows)
+        if isinstance(data, Path):
+            self.client.fput_object(self.bucket, self._name(key), str(data), metadata=meta)
+        else:
+            self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data), metadata=meta)
+
+    def _open(self, key: str) -> tuple[BinaryIO, dict[str, Any] | None]:
+        from minio.error import S3Error
+
+        try:
+            resp = self.client.get_object(self.bucket, self._name(key))
+        except S3Error as e:
+            if e.code in _MISSING:
+                raise self._not_found(key) from None
+            raise
+        size = int(resp.headers.get("content-length", 0))
+        return _Body(resp), _parse_meta(resp.headers, size)
+
+    def _meta(self, key: str) -> dict[str, Any] | None:
+        from minio.error import S3Error
+
+        try:
+            stat = self.client.stat_object(self.bucket, self._name(key))
+        except S3Error as e:
+            if e.code in _MISSING:
+                raise self._not_found(key) from None
+            raise
+        return _parse_meta(stat.metadata or {}, stat.size)
+
+    def _list(self, prefix: str) -> Iterator[str]:
+        full = self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        skip = len(self.prefix) + 1 if self.prefix else 0
+        for obj in self.client.list_objects(self.bucket, prefix=full, recursive=True):
+            if not obj.is_dir:
+                yield obj.object_name[skip:]
+
+    def _delete(self, key: str) -> None:
+        self.client.remove_object(self.bucket, self._name(key))

@@ -1,0 +1,127 @@
+"""A policy session: the long-lived trainer + rollout engine of one run, in this process.
+
+Prefect orchestrates waves and epochs; the weights and optimizer state stay in memory
+between them (DESIGN.md, "Scale-out path"). Stages hand each other a `PolicyRef` (run id,
+policy version, last checkpoint). A task that finds no session for the version it was
+given (a fresh worker, a crash) restores it from the checkpoint, which must be of that
+version; otherwise it raises `StaleSession` and the run is resumed from its LATEST
+checkpoint (`nightly(NightlyConfig(run_id=...))`).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ratchet.config import NightlyConfig
+from ratchet.model import load_policy, save_policy
+from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.store import ArtifactStore, Ref, store_for
+from ratchet.train.checkpoint import load_checkpoint, save_checkpoint
+from ratchet.train.torch_trainer import TorchTrainer
+
+
+class PolicyRef(BaseModel):
+    """What stages hand each other instead of weights."""
+
+    model_config = ConfigDict(frozen=True)
+    run_id: str
+    version: int
+    checkpoint: Ref | None = None
+    """The newest checkpoint; its ledger's version may be older than `version`."""
+    checkpoint_version: int | None = None
+
+
+class StaleSession(RuntimeError):
+    """This process has no session at the requested version and no checkpoint of it."""
+
+
+@dataclass
+class PolicySession:
+    run_id: str
+    version: int
+    model: torch.nn.Module
+    tokenizer: object
+    engine: TorchEngine
+    trainer: TorchTrainer
+    consumed_waves: list[int]
+
+    def ref(self, checkpoint: Ref | None, checkpoint_version: int | None) -> PolicyRef:
+        return PolicyRef(run_id=self.run_id, version=self.version, checkpoint=checkpoint,
+                         checkpoint_version=checkpoint_version)
+
+
+_SESSIONS: dict[str, PolicySession] = {}
+_LOCK = threading.Lock()
+
+
+def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,
+           ledger: dict | None) -> PolicySession:
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, tokenizer = load_policy(model_dir)
+    model.eval()
+    if cfg.train.backend == "deepspeed":
+        from ratchet.train.deepspeed_trainer import DeepSpeedTrainer as Trainer
+    else:
+        Trainer = TorchTrainer
+    trainer = Trainer(model, tokenizer.pad_token_id, cfg.train, cfg.rl, temperature=cfg.rollout.temperature)
+    if trainer_state is not None:
+        trainer.load_state_dict(trainer_state)
+    ledger = ledger or {"version": 0, "consumed_waves": []}
+    return PolicySession(run_id, ledger["version"], model, tokenizer, TorchEngine(model, tokenizer),
+                         trainer, list(ledger["consumed_waves"]))
+
+
+def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
+    """Rebuild a session from `policy.checkpoint` (verified) and register it."""
+    if policy.checkpoint is None:
+        raise StaleSession(f"run {policy.run_id}: no session in this process and no checkpoint to restore from")
+    store = store_for(policy.checkpoint)
+    with tempfile.TemporaryDirectory(prefix="ratchet-restore-") as tmp:
+        path = load_checkpoint(store, policy.checkpoint, Path(tmp))
+        state = torch.load(path / "trainer.pt", weights_only=False) if (path / "trainer.pt").exists() else None
+        ledger = json.loads((path / "ledger.json").read_text()) if (path / "ledger.json").exists() else None
+        session = _build(policy.run_id, path, cfg, state, ledger)
+    with _LOCK:
+        _SESSIONS[policy.run_id] = session
+    return session
+
+
+def open_session(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
+    """The live session at `policy.version`, restoring from the checkpoint if needed."""
+    with _LOCK:
+        session = _SESSIONS.get(policy.run_id)
+    if session is not None and session.version == policy.version:
+        return session
+    session = restore(policy, cfg)
+    if session.version != policy.version:
+        raise StaleSession(
+            f"run {policy.run_id}: policy version {policy.version} is not in this process and the last "
+            f"checkpoint is version {session.version}; resume the run from its LATEST checkpoint"
+        )
+    return session
+
+
+def checkpoint(session: PolicySession, store: ArtifactStore) -> PolicyRef:
+    """Write a complete checkpoint of the session (weights, trainer state, ledger) + LATEST."""
+
+    def write(d: Path) -> None:
+        save_policy(session.model, session.tokenizer, d)
+        torch.save(session.trainer.state_dict(), d / "trainer.pt")
+        (d / "ledger.json").write_text(json.dumps(
+            {"run_id": session.run_id, "version": session.version, "consumed_waves": session.consumed_waves}
+        ))
+
+    ref = save_checkpoint(store, session.run_id, session.version, write)
+    return session.ref(ref, session.version)
+
+
+def drop_session(run_id: str) -> None:
+    with _LOCK:
+        _SESSIONS.pop(run_id, None)

@@ -1,0 +1,66 @@
+"""Prefect tasks at the end of a cycle: evaluate on held-out tasks, promote only a winner."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ratchet import stages
+from ratchet.config import NightlyConfig
+from ratchet.eval import evaluate as evaluate_policy
+from ratchet.eval import should_promote
+from ratchet.model import load_policy
+from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.store import Ref, open_store
+from ratchet.train import session as sessions
+
+INCUMBENT = "models/promoted/INCUMBENT"
+
+
+def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
+    specs = [s for r in heldout for s in stages.load_specs(r)][: cfg.eval.n_tasks]
+    return evaluate_policy(engine, specs, stages.limits(cfg), cfg.rollout.max_new_tokens,
+                           cfg.rollout.batch_size, cfg.verify.concurrency)
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig) -> dict:
+    """Held-out pass@1 (greedy) of the policy; per-task results to runs/<id>/eval/<version>.parquet.
+    The result is kept per policy version, so a retry or a resumed run does not evaluate twice."""
+    store = open_store(cfg.store.uri)
+    key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
+    if store.exists(f"{key}.json"):
+        return store.get_json(f"{key}.json")
+    session = sessions.open_session(policy, cfg)
+    result = _eval(session.engine, heldout, cfg)
+    ref = store.write_table(f"{key}.parquet", result.rows)
+    get_run_logger().info("policy v%d held-out pass@1 %.3f %s", policy.version, result.pass_rate, result.by_difficulty)
+    out = {"version": policy.version, "pass_rate": result.pass_rate, "by_difficulty": result.by_difficulty,
+           "n_tasks": result.n_tasks, "env_errors": result.env_errors, "eval": ref.uri}
+    store.put_json(f"{key}.json", out)
+    return out
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def incumbent_pass_rate(heldout: list[Ref], cfg: NightlyConfig) -> float | None:
+    """The promoted model's pass@1 on this run's held-out tasks (None when nothing is promoted)."""
+    store = open_store(cfg.store.uri)
+    pointer = store.get_pointer(INCUMBENT)
+    if pointer is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="ratchet-incumbent-") as tmp:
+        model, tokenizer = load_policy(store.get_dir(pointer, Path(tmp)))
+        return _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg).pass_rate
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def promote(policy: sessions.PolicyRef, candidate: float, incumbent: float | None, cfg: NightlyConfig) -> dict:
+    """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent."""
+    ok, why = should_promote(candidate, incumbent, cfg.eval.min_gain)
+    get_run_logger().info("promotion: %s", why)
+    if ok and policy.checkpoint is not None:
+        open_store(cfg.store.uri).set_pointer(INCUMBENT, policy.checkpoint)
+    return {"promoted": ok, "reason": why, "checkpoint": policy.checkpoint.uri if ok and policy.checkpoint else None}

@@ -1,0 +1,74 @@
+"""Prefect tasks of the policy: bootstrap, rollout, train, checkpoint. Thin: load refs, call
+`ratchet.stages` / `ratchet.train`, save, return refs."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from ratchet import stages
+from ratchet.config import NightlyConfig
+from ratchet.store import Ref, open_store
+from ratchet.train import session as sessions
+from ratchet.train.checkpoint import load_latest, save_checkpoint
+
+
+@task(retries=1, cache_policy=NO_CACHE)
+def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessions.PolicyRef:
+    """The policy a run starts from: its own LATEST checkpoint (resume), a local HF model
+    directory, or the embedded tiny model built and warm-started here. Saved as version 0."""
+    logger = get_run_logger()
+    store = open_store(cfg.store.uri)
+    with tempfile.TemporaryDirectory(prefix="ratchet-boot-") as tmp:
+        found = load_latest(store, run_id, Path(tmp))
+        if found is not None:
+            ref, _ = found
+            logger.info("resuming run %s from %s", run_id, ref.uri)
+            session = sessions.restore(sessions.PolicyRef(run_id=run_id, version=-1, checkpoint=ref), cfg)
+            return session.ref(ref, session.version)
+        if cfg.model.path:
+            from ratchet.model import load_policy, save_policy
+
+            model, tokenizer = load_policy(cfg.model.path)
+            write = lambda d: save_policy(model, tokenizer, d)  # noqa: E731
+        else:
+            from ratchet.train.sft import warm_start
+
+            specs = [s for r in train for s in stages.load_specs(r)]
+            write = lambda d: warm_start(cfg.model, specs, d, log=logger.info)  # noqa: E731
+        ref = save_checkpoint(store, run_id, 0, write)
+    logger.info("policy v0 of run %s at %s", run_id, ref.uri)
+    return sessions.PolicyRef(run_id=run_id, version=0, checkpoint=ref, checkpoint_version=0)
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: NightlyConfig) -> Ref:
+    """Sample one wave from the current policy; trajectories to the store."""
+    session = sessions.open_session(policy, cfg)
+    frames = [stages.rollout(session.engine, stages.load_specs(r), policy.run_id, step, policy.version, cfg)
+              for r in train]
+    import polars as pl
+
+    key = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet"
+    return open_store(cfg.store.uri).write_table(key, pl.concat(frames))
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
+    """One RL epoch on a gated wave; returns the next policy version and the train metrics."""
+    session = sessions.open_session(policy, cfg)
+    frame = open_store(cfg.store.uri).read_table(wave)
+    samples = stages.train_samples(frame, session.engine.encode_prompts, cfg.rl.estimator)
+    metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
+    session.version += 1
+    session.consumed_waves.append(int(frame["step"][0]))
+    return session.ref(policy.checkpoint, policy.checkpoint_version), metrics
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def checkpoint(policy: sessions.PolicyRef, cfg: NightlyConfig) -> sessions.PolicyRef:
+    """Weights, optimizer, RNG and ledger to the store; LATEST written last."""
+    return sessions.checkpoint(sessions.open_session(policy, cfg), open_store(cfg.store.uri))

@@ -1,0 +1,67 @@
+"""The whole nightly flow end to end on a tiny config, under a Prefect test harness."""
+
+import json
+
+import pytest
+
+from ratchet.config import (EnvsConfig, EvalConfig, GateConfig, ModelConfig, NightlyConfig, RolloutConfig,
+                            StoreConfig, TrainConfig)
+from ratchet.store import open_store
+
+
+def tiny(store_uri: str, **kw) -> NightlyConfig:
+    return NightlyConfig(
+        steps=3, checkpoint_every=2,
+        store=StoreConfig(uri=store_uri),
+        envs=EnvsConfig(n_train=60, n_heldout=12),
+        model=ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=200, sft_steps=20, sft_batch=16),
+        rollout=RolloutConfig(prompts_per_wave=4, group_size=4, max_new_tokens=16),
+        train=TrainConfig(minibatch_prompts=2),
+        gate=GateConfig(max_zero_variance_frac=1.0),
+        eval=EvalConfig(n_tasks=12),
+        **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_harness, tmp_path_factory):
+    from flows.nightly import nightly
+
+    store_uri = str(tmp_path_factory.mktemp("store"))
+    return store_uri, nightly(tiny(store_uri, run_id="r1"))
+
+
+def test_summary_and_store_layout(first_run):
+    store_uri, summary = first_run
+    store = open_store(store_uri)
+    assert {"run_id", "summary", "base_pass_rate", "final_pass_rate", "promoted", "steps", "wall_s"} <= set(summary)
+    assert summary["steps"] == 3 and summary["policy_version"] == 3
+    assert 0.0 <= summary["base_pass_rate"] <= 1.0 and 0.0 <= summary["final_pass_rate"] <= 1.0
+    assert store.get_json("runs/r1/summary.json")["final_pass_rate"] == summary["final_pass_rate"]
+    for step in range(3):
+        assert store.exists(f"runs/r1/waves/{step:06d}/trajectories.parquet")
+        scored = store.read_table(f"runs/r1/waves/{step:06d}/scored.parquet")
+        assert scored.height == 16 and scored["reward"].is_not_null().all()
+    latest = store.get_pointer("runs/r1/checkpoints/LATEST")
+    ledger = json.loads(store.get_bytes(latest.sibling("ledger.json")))
+    assert ledger["version"] == 3 and ledger["consumed_waves"] == [0, 1, 2]
+    assert [int(k.split("/")[3]) for k in store.list("runs/r1/checkpoints/") if k.endswith("MANIFEST.json")] == [0, 2, 3]
+
+
+def test_promotion_only_beats_the_bar(first_run):
+    store_uri, summary = first_run
+    incumbent = open_store(store_uri).get_pointer("models/promoted/INCUMBENT")
+    if summary["promoted"]:
+        assert summary["final_pass_rate"] > summary["base_pass_rate"]
+        assert incumbent is not None and incumbent.uri == summary["checkpoint"]
+    else:
+        assert summary["final_pass_rate"] <= summary["base_pass_rate"] and incumbent is None
+
+
+def test_rerun_with_the_same_id_resumes_without_retraining(first_run):
+    from flows.nightly import nightly
+
+    store_uri, summary = first_run
+    again = nightly(tiny(store_uri, run_id="r1"))
+    assert again["policy_version"] == 3 and again["history"] == []
+    assert again["base_pass_rate"] == summary["base_pass_rate"]

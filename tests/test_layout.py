@@ -1,0 +1,42 @@
+"""House rules that a test can hold: the core never imports Prefect; the layout exists."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", ["ratchet", "envs"])
+def test_core_never_imports_prefect(package):
+    offenders = [
+        str(p.relative_to(ROOT)) for p in (ROOT / package).rglob("*.py")
+        if p.name != "cli.py" or package != "ratchet" or p.parent.name != "ratchet"
+        if "prefect" in _imports(p)
+    ]
+    assert offenders == [], f"{package}/ must not import prefect: {offenders}"
+
+
+def test_cli_reaches_prefect_only_lazily():
+    tree = ast.parse((ROOT / "ratchet" / "cli.py").read_text())
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {(n.module or "") for n in top_level if isinstance(n, ast.ImportFrom)}
+    names |= {a.name for n in top_level if isinstance(n, ast.Import) for a in n.names}
+    assert not any(n.split(".")[0] in {"prefect", "flows", "tasks"} for n in names), names
+
+
+def test_required_layout():
+    for path in ["flows", "tasks", "envs", "ratchet", "deploy", "bench", "tests",
+                 "pyproject.toml", "README.md", "Makefile", ".ci/run", "deploy/prefect.yaml"]:
+        assert (ROOT / path).exists(), path
