@@ -1,0 +1,73 @@
+"""Rewards for a whole wave (a TRAJECTORY_SCHEMA frame), and the env_error report per family.
+
+    scored = score_frame(wave, {s.task_id: s.reward_logic for s in specs}, cfg.reward)
+    report = env_error_report(scored, cfg.reward)   # {"families": {...}, "flagged": [...], ...}
+
+Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
+`reward` null, never 0, so it is excluded from advantages instead of punishing the model.
+"""
+
+from __future__ import annotations
+
+import polars as pl
+
+from envs.spec import RewardLogic
+from ratchet.config import RewardConfig
+from ratchet.reward.metrics import validate_logic
+from ratchet.reward.score import score
+
+
+def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None:
+    """One row's reward: null for env_error or unverified rows; an empty completion never scores > 0."""
+    if row.get("env_error") or row.get("metrics") is None:
+        return None
+    r = score(row["metrics"], logic, cfg)
+    if not (row.get("completion") or "").strip():
+        r = min(r, 0.0)
+    return r
+
+
+def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg: RewardConfig) -> pl.DataFrame:
+    """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns unchanged)."""
+    missing = sorted(set(frame["task_id"].unique().to_list()) - set(logic_by_task))
+    if missing:
+        raise KeyError(f"score_frame: no reward_logic for task(s) {missing[:10]}"
+                       + (f" and {len(missing) - 10} more" if len(missing) > 10 else ""))
+    for task_id in set(frame["task_id"].unique().to_list()):
+        try:
+            validate_logic(logic_by_task[task_id])
+        except ValueError as e:
+            raise type(e)(f"task {task_id!r}: {e}") from e
+    rows = frame.select("task_id", "completion", "metrics", "env_error").to_dicts()
+    rewards = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
+    return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
+
+
+def _kind(message: str) -> str:
+    """The kind of an env_error_kind such as "sandbox: worker died" -> "sandbox"."""
+    return message.split(":", 1)[0].strip() or "unknown"
+
+
+def env_error_report(frame: pl.DataFrame, cfg: RewardConfig) -> dict:
+    """env_error rate per family; a family with rate > cfg.max_env_error_rate is flagged for audit.
+
+    {"rows": n, "env_errors": k, "rate": k/n, "threshold": t, "flagged": [family, ...],
+     "families": {family: {"rows", "env_errors", "rate", "flagged", "kinds": {kind: count}}}}
+    """
+    errs = frame.select("family", pl.col("env_error").fill_null(False), "env_error_kind")
+    families = {}
+    for (family,), part in sorted(errs.group_by("family"), key=lambda kv: str(kv[0][0])):
+        bad = part.filter(pl.col("env_error"))
+        rate = bad.height / part.height
+        kinds = bad["env_error_kind"].fill_null("unknown").map_elements(_kind, return_dtype=pl.String).value_counts(sort=True)
+        families[family] = {
+            "rows": part.height, "env_errors": bad.height, "rate": rate,
+            "flagged": rate > cfg.max_env_error_rate,
+            "kinds": dict(zip(kinds["env_error_kind"].to_list(), kinds["count"].to_list())),
+        }
+    n, k = errs.height, int(errs["env_error"].sum())
+    return {
+        "rows": n, "env_errors": k, "rate": k / n if n else 0.0, "threshold": cfg.max_env_error_rate,
+        "flagged": [f for f, v in families.items() if v["flagged"]],
+        "families": families,
+    }

@@ -1,0 +1,173 @@
+"""The metric registry: every verifier metric a reward rule may name, and how it scores.
+
+    validate_logic(spec.reward_logic)          # RewardLogicError naming the rule and metric
+    s = metric_score(rule, metrics)            # one rule's score in [0, 1]
+
+A metric value may be a scalar (one run) or a list (several runs or turns); the rule's
+`aggregation` reduces the list to one value first (max, min, mean, last). Then the metric's
+kind turns that value into a score in [0, 1]:
+
+| kind       | meaning                          | score                            | threshold |
+|------------|----------------------------------|----------------------------------|-----------|
+| fraction   | higher is better, in [0, 1]      | clip(v, 0, 1)                    | forbidden |
+| flag       | True is good (format_ok)         | 1 if v else 0 (mean: share True) | forbidden |
+| bad_flag   | True is bad (timed_out)          | 1 - (1 if v else 0)              | forbidden |
+| cost       | lower is better (execution_time) | clip(1 - v/threshold, 0, 1)      | required  |
+| count      | higher is better, unbounded      | clip(v/threshold, 0, 1)          | required  |
+| no_flags   | list of flags, empty is good     | 1 if the run raised no penalised flag else 0 | forbidden |
+
+Security flags come from the sandbox's events and from the verifier. Some are what ordinary
+runtimes do (pytest spawns processes and writes caches outside the workdir) and are only
+reported; the others are penalised (`FLAGS`; a flag not registered there is penalised).
+
+Each metric also belongs to a reward dimension (completion, format, security, efficiency),
+reported as components by `ratchet.reward.score.score_components`. A new metric is one
+`register_metric(...)` line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any, Callable
+
+from envs.spec import RewardLogic, RewardRule
+
+KINDS = ("fraction", "flag", "bad_flag", "cost", "count", "no_flags")
+DIMENSIONS = ("completion", "format", "security", "efficiency")
+_NEEDS_THRESHOLD = {"cost", "count"}
+
+
+class RewardLogicError(ValueError):
+    """A reward_logic names a metric or aggregation ratchet does not know, or misuses one."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str        # one of KINDS
+    dimension: str   # one of DIMENSIONS
+    doc: str
+
+
+METRICS: dict[str, Metric] = {}
+
+FLAGS: dict[str, bool] = {}
+"""security flag -> penalised? (unregistered flags are penalised)."""
+
+AGGREGATIONS: dict[str, Callable[[list], Any]] = {
+    "max": max,
+    "min": min,
+    "mean": lambda vs: fmean(float(v) for v in vs),
+    "last": lambda vs: vs[-1],
+}
+
+
+def register_metric(name: str, kind: str, dimension: str, doc: str) -> Metric:
+    if kind not in KINDS or dimension not in DIMENSIONS:
+        raise ValueError(f"metric {name!r}: kind must be one of {KINDS}, dimension one of {DIMENSIONS}")
+    METRICS[name] = Metric(name, kind, dimension, doc)
+    return METRICS[name]
+
+
+def register_flag(name: str, penalised: bool) -> None:
+    FLAGS[name] = penalised
+
+
+def penalised_flags(flags: list[str]) -> list[str]:
+    """The flags that cost reward: every flag except those registered as reported-only."""
+    return [f for f in flags if FLAGS.get(f, True)]
+
+
+def validate_rule(rule: RewardRule, where: str = "rule") -> Metric:
+    """The rule's Metric, or RewardLogicError naming what is wrong."""
+    metric = METRICS.get(rule.metric)
+    if metric is None:
+        raise RewardLogicError(f"{where}: unknown metric {rule.metric!r}; known metrics: {sorted(METRICS)}")
+    if rule.aggregation not in AGGREGATIONS:
+        raise RewardLogicError(f"{where}: unknown aggregation {rule.aggregation!r} for metric {rule.metric!r}; "
+                               f"known: {sorted(AGGREGATIONS)}")
+    if metric.kind in _NEEDS_THRESHOLD and rule.threshold is None:
+        raise RewardLogicError(f"{where}: metric {rule.metric!r} ({metric.kind}) needs a threshold, "
+                               f"e.g. {{\"metric\": \"{rule.metric}\", \"threshold\": 5000}}")
+    if metric.kind not in _NEEDS_THRESHOLD and rule.threshold is not None:
+        raise RewardLogicError(f"{where}: metric {rule.metric!r} ({metric.kind}) takes no threshold, "
+                               f"got {rule.threshold}")
+    if not rule.weight > 0:
+        raise RewardLogicError(f"{where}: weight of metric {rule.metric!r} must be > 0, got {rule.weight}")
+    return metric
+
+
+def validate_logic(logic: RewardLogic) -> RewardLogic:
+    """Check every rule against the registry; returns `logic` unchanged, or raises RewardLogicError."""
+    if logic.type != "composite":
+        raise RewardLogicError(f"reward_logic.type: unknown type {logic.type!r}; known: ['composite']")
+    if not logic.rules:
+        raise RewardLogicError("reward_logic.rules: at least one rule is needed")
+    for i, rule in enumerate(logic.rules):
+        validate_rule(rule, where=f"reward_logic.rules[{i}]")
+    return logic
+
+
+def measurements(value: Any) -> list:
+    """A metric value as a list of measurements (one per run/turn), nulls dropped."""
+    if value is None:
+        return []
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return [v for v in values if v is not None]
+
+
+def flag_runs(value: Any) -> list[list]:
+    """security_flags of one run (list of str) or of several runs (list of lists)."""
+    if value is None:
+        return []
+    value = list(value)
+    if value and all(isinstance(v, (list, tuple)) for v in value):
+        return [list(v) for v in value]
+    return [value]
+
+
+def aggregate(rule: RewardRule, metrics: dict) -> Any:
+    """The rule's metric reduced to one value by its aggregation; None when never measured."""
+    metric = METRICS[rule.metric]
+    if metric.kind == "no_flags":
+        values = [not penalised_flags(run) for run in flag_runs(metrics.get(rule.metric))]
+    else:
+        values = measurements(metrics.get(rule.metric))
+    return AGGREGATIONS[rule.aggregation](values) if values else None
+
+
+def _clip01(x: float) -> float:
+    return min(1.0, max(0.0, float(x)))
+
+
+def metric_score(rule: RewardRule, metrics: dict) -> float:
+    """One rule's score in [0, 1] from the table in the module docstring; an unmeasured metric scores 0."""
+    metric = validate_rule(rule)
+    v = aggregate(rule, metrics)
+    if v is None:
+        return 0.0
+    if metric.kind in ("fraction", "flag", "no_flags"):
+        return _clip01(v)
+    if metric.kind == "bad_flag":
+        return 1.0 - _clip01(v)
+    if metric.kind == "cost":
+        return _clip01(1.0 - float(v) / rule.threshold)
+    return _clip01(float(v) / rule.threshold)  # count
+
+
+register_metric("test_pass_rate", "fraction", "completion", "hidden tests passed / total")
+register_metric("tests_passed", "count", "completion", "hidden tests passed (threshold: how many make full credit)")
+register_metric("syntax_ok", "flag", "format", "the solution file parses (an empty completion does not count)")
+register_metric("format_ok", "flag", "format", "the completion is non-empty, parseable code")
+register_metric("timed_out", "bad_flag", "efficiency", "the run hit its wall-clock limit")
+register_metric("execution_time_ms", "cost", "efficiency", "wall-clock time of the run, ms")
+register_metric("peak_memory_mb", "cost", "efficiency", "peak memory of the run, MB")
+register_metric("output_bytes", "cost", "efficiency", "bytes written to stdout + stderr")
+register_metric("security_flags", "no_flags", "security", "what the sandbox refused or noticed; empty is good")
+
+for _flag in ("network_attempt", "signal_attempt", "fork_limit", "daemon_left",      # sandbox: misbehaviour
+              "special_cased_examples", "inconsistent_test_report"):                # verifier: hacking
+    register_flag(_flag, penalised=True)
+for _flag in ("process_spawn", "write_refused", "native_code", "memory_limit", "output_held_open"):
+    register_flag(_flag, penalised=False)   # ordinary runtimes do these (pytest spawns, caches); kernel refuses the harm

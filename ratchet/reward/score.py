@@ -1,0 +1,123 @@
+"""Verifier metrics -> one scalar reward (and its components), exactly as the task's reward_logic says.
+
+    r = score(verification.metrics, spec.reward_logic, cfg.reward)    # None for env_error rows
+    lo, hi = reward_bounds(spec.reward_logic, cfg.reward)             # what the wave gate allows
+
+The scalar, in order (every step is one small function below):
+
+1. rule scores sᵢ from the metric registry (`ratchet.reward.metrics`); with
+   `cfg.partial_credit` off a completion rule scores 1.0 only when it is full, else 0;
+   efficiency and security rules score 0 when the run passed no test (a program that does
+   nothing is fast, small and harmless: that must not earn reward);
+2. composite  c = Σ wᵢ·sᵢ / Σ wᵢ       (the spec's example: 0.7·pass_rate + 0.3·clip(1 − t/5000, 0, 1));
+3. format mix m = (1 − f)·c + f·format_ok,  f = cfg.format_weight;
+4. timeout    r = cfg.timeout_reward if the run timed out, else m;
+5. security   r = min(r, cfg.security_penalty) if any penalised security flag was raised
+              (security_penalty None: flags do not change the reward).
+
+So every reward lies in [min(0, timeout_reward, security_penalty), max(1, timeout_reward)].
+"""
+
+from __future__ import annotations
+
+from envs.spec import RewardLogic, RewardRule
+from ratchet.config import RewardConfig
+from ratchet.reward.metrics import METRICS, flag_runs, measurements, metric_score, penalised_flags, validate_logic
+
+_GATED = {"efficiency", "security"}
+
+
+def passed_something(metrics: dict) -> bool:
+    """True when some hidden test passed (best run); metrics without test counts are not gated."""
+    rates = measurements(metrics.get("test_pass_rate"))
+    if rates:
+        return max(float(v) for v in rates) > 0
+    passed = measurements(metrics.get("tests_passed"))
+    return max(passed) > 0 if passed else True
+
+
+def rule_score(rule: RewardRule, metrics: dict, cfg: RewardConfig) -> float:
+    """sᵢ: the metric's score, with partial credit and the no-work gate applied."""
+    dim = METRICS[rule.metric].dimension if rule.metric in METRICS else None
+    s = metric_score(rule, metrics)
+    if dim == "completion" and not cfg.partial_credit:
+        s = 1.0 if s >= 1.0 else 0.0
+    if dim in _GATED and not passed_something(metrics):
+        s = 0.0
+    return s
+
+
+def composite(metrics: dict, logic: RewardLogic, cfg: RewardConfig) -> float:
+    """c = Σ wᵢ·sᵢ / Σ wᵢ over the logic's rules."""
+    total = sum(r.weight for r in logic.rules)
+    return sum(r.weight * rule_score(r, metrics, cfg) for r in logic.rules) / total
+
+
+def format_ok(metrics: dict) -> float:
+    """1.0 when every run's completion was well-formed, else 0 (unmeasured: 0)."""
+    values = measurements(metrics.get("format_ok"))
+    return 1.0 if values and all(values) else 0.0
+
+
+def timed_out(metrics: dict) -> bool:
+    """True when any run hit its wall-clock limit."""
+    return any(measurements(metrics.get("timed_out")))
+
+
+def security_flags(metrics: dict) -> list[str]:
+    """The penalised flags raised by any run (sandbox events such as network_attempt, verifier
+    flags such as special_cased_examples); reported-only flags (metrics.FLAGS) are left out."""
+    return penalised_flags([f for run in flag_runs(metrics.get("security_flags")) for f in run])
+
+
+def score(metrics: dict | None, logic: RewardLogic, cfg: RewardConfig) -> float | None:
+    """The scalar reward (module docstring, steps 1-5); None when there are no metrics (env_error)."""
+    if metrics is None:
+        return None
+    validate_logic(logic)
+    c = composite(metrics, logic, cfg)
+    r = (1.0 - cfg.format_weight) * c + cfg.format_weight * format_ok(metrics)
+    if timed_out(metrics):
+        r = cfg.timeout_reward
+    if cfg.security_penalty is not None and security_flags(metrics):
+        r = min(r, cfg.security_penalty)
+    return float(r)
+
+
+def score_components(metrics: dict | None, logic: RewardLogic, cfg: RewardConfig) -> dict[str, float | None]:
+    """The multi-dimensional reward next to the scalar, each in [0, 1] (None: not measured / no rule):
+
+    completion = the logic's completion rules' weighted mean (no such rule: test_pass_rate, partial credit applied),
+    format     = format_ok (1/0), security = 1 if no flag was raised else 0,
+    efficiency = the logic's efficiency rules' weighted mean (gated like the scalar; None without such rules),
+    composite  = c, reward = the scalar.
+    """
+    if metrics is None:
+        return {k: None for k in ("completion", "format", "security", "efficiency", "composite", "reward")}
+    validate_logic(logic)
+    by_dim = {d: [r for r in logic.rules if METRICS[r.metric].dimension == d] for d in ("completion", "efficiency")}
+    if not by_dim["completion"]:
+        by_dim["completion"] = [RewardRule(metric="test_pass_rate", weight=1.0, aggregation="max")]
+    comps = {d: _weighted(rules, metrics, cfg) for d, rules in by_dim.items()}
+    return {
+        "completion": comps["completion"],
+        "format": format_ok(metrics),
+        "security": 0.0 if security_flags(metrics) else 1.0,
+        "efficiency": comps["efficiency"],
+        "composite": composite(metrics, logic, cfg),
+        "reward": score(metrics, logic, cfg),
+    }
+
+
+def _weighted(rules: list[RewardRule], metrics: dict, cfg: RewardConfig) -> float | None:
+    if not rules:
+        return None
+    return sum(r.weight * rule_score(r, metrics, cfg) for r in rules) / sum(r.weight for r in rules)
+
+
+def reward_bounds(logic: RewardLogic, cfg: RewardConfig) -> tuple[float, float]:
+    """(lo, hi) every score() of this logic lies in: composite and format mix are in [0, 1];
+    a timeout replaces it by timeout_reward; a security flag can only lower it, to security_penalty."""
+    validate_logic(logic)
+    lows = [0.0, cfg.timeout_reward] + ([cfg.security_penalty] if cfg.security_penalty is not None else [])
+    return float(min(lows)), float(max(1.0, cfg.timeout_reward))

@@ -1,0 +1,252 @@
+"""Verification: run a completion's execution steps in the sandbox and measure what happened.
+
+    results = verify_many([(spec, completion), ...], limits)   # one Verification per item, in order
+    results = verify_many(items, limits, runtime_python=resolver)   # resolver(env_config) -> a venv's python
+
+This is the single call site between the reward layer and the sandbox. Each item becomes
+one sandbox run (fresh namespaces each time); identical (task, completion) pairs in one
+call are run once. A run that fails for infrastructure reasons (the sandbox could not
+start, a worker died, the task's runtime could not be built) is retried; if it keeps
+failing the item is marked `env_error` and is never scored as the model's failure.
+
+Two kinds of task:
+- `check_calls`: the harness calls the entry point on each hidden test's args (and each
+  visible example's, `metadata["visible_tests"]`) and prints plain-data results; they are
+  compared with the expected values here, outside the sandbox. Tasks without dependencies
+  run on the sandbox's fast isolated interpreter.
+- `run_command`: the snapshot files and overwrite_file steps go into the workdir, the hidden
+  `test_files` are placed after them read-only, and `pytest ...` / `python script.py` runs
+  with `runtime_python(env)` (None: the sandbox's host python) and its site-packages.
+  pytest's counts become tests_passed/tests_total; a script passes (1 of 1) when it exits 0.
+
+Hacking guards here: hidden tests are placed after the completion's files and read-only;
+call results are compared outside the sandbox; visible-only success is flagged
+(`ratchet.reward.guards`); an empty completion is not run and scores nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, RunCommand, TaskSpec
+from ratchet.reward.commands import command_argv, pytest_report
+from ratchet.reward.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
+from ratchet.sandbox import Limits, Payload, RunResult, run_many
+from ratchet.sandbox.harness import call_harness, parse_harness_output
+
+RuntimePython = Callable[[EnvironmentConfig], str]
+
+
+@dataclass
+class Verification:
+    metrics: dict = field(default_factory=dict)
+    env_error: bool = False
+    env_error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One sandbox run and how to read its result."""
+
+    payload: Payload
+    kind: str                      # "calls" | "pytest" | "script"
+    hidden: tuple[CallTest, ...] = ()
+    visible: tuple[CallTest, ...] = ()
+
+
+def _canonical(js: str | None) -> str | None:
+    """JSON text in one spelling, so '[1, 2]' == '[1,2]' but '1' != 'true' != '1.0'."""
+    if js is None:
+        return None
+    return json.dumps(json.loads(js), separators=(",", ":"), ensure_ascii=True)
+
+
+def _workdir_path(path: str) -> str:
+    return path.removeprefix("/app/").lstrip("/")
+
+
+def _solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
+    files = dict(spec.files)
+    for step in spec.with_completion(completion):
+        if isinstance(step, OverwriteFile):
+            files[_workdir_path(step.path)] = step.content
+    return files
+
+
+def _solution_source(spec: TaskSpec, completion: str) -> str:
+    """The Python file the completion was written into (the first overwritten .py file)."""
+    for step in spec.with_completion(completion):
+        if isinstance(step, OverwriteFile) and step.path.endswith(".py"):
+            return step.content
+    return completion
+
+
+def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:
+    steps = [s for s in spec.execution_steps if isinstance(s, (CheckCalls, RunCommand))]
+    if len(steps) != 1:
+        raise ValueError(f"task {spec.task_id}: expected exactly one check_calls or run_command step, found {len(steps)}")
+    return steps[0]
+
+
+def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Plan:
+    """The sandbox run for a spec's execution steps with `completion` substituted."""
+    files, tests_ro = _solution_files(spec, completion), dict(spec.test_files)
+    step = _one_step(spec)
+    if isinstance(step, CheckCalls):
+        visible = visible_tests(spec)
+        args = [t.args for t in (*spec.tests, *visible)]
+        code = call_harness(_solution_source(spec, completion), step.entry_point, args)
+        python = runtime_python(spec.environment_config) if runtime_python and spec.environment_config.dependencies else None
+        payload = Payload(code=code, files=files, readonly_files=tests_ro, python=python, site=python is not None)
+        return Plan(payload, "calls", spec.tests, visible)
+    kind, argv = command_argv(step.command)
+    python = runtime_python(spec.environment_config) if runtime_python else None
+    return Plan(Payload(argv=argv, files=files, readonly_files=tests_ro, python=python, site=True), kind)
+
+
+def build_payload(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Payload:
+    """The sandbox payload for a spec's execution steps with `completion` substituted."""
+    return plan(spec, completion, runtime_python).payload
+
+
+def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
+    if is_empty(completion):
+        return False
+    try:
+        ast.parse(_solution_source(spec, completion))
+        return True
+    except (SyntaxError, ValueError):
+        return False
+
+
+def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[CallTest, ...]) -> tuple[int, int]:
+    """(hidden passed, visible passed): results compared here, outside the sandbox, as canonical JSON."""
+    tests = (*hidden, *visible)
+    got = parse_harness_output(stdout, n=len(tests))
+    ok = [g is not None and _canonical(g) == _canonical(t.expected) for g, t in zip(got, tests)]
+    return sum(ok[:len(hidden)]), sum(ok[len(hidden):])
+
+
+def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
+    """(passed, total, flags) of a run_command: pytest's counts if they are coherent (commands.pytest_report)
+    and agree with its exit code (0 if and only if nothing failed; 5 when no test ran); else 0 passed, flagged."""
+    if p.kind == "script":
+        return int(res.exit_code == 0 and not res.killed_by), 1, []
+    counts, coherent = pytest_report(res.stdout)
+    if counts is None:
+        return 0, 0, []
+    passed, total = counts["passed"], counts["passed"] + counts["failed"] + counts["errors"]
+    agrees = (res.exit_code == 0) == (total == passed) or (res.exit_code == 5 and total == 0)
+    if not coherent or not (agrees or res.killed_by):
+        return 0, total, ["inconsistent_test_report"]
+    return passed, total, []
+
+
+def metrics_from(spec: TaskSpec, completion: str, res: RunResult, p: Plan | None = None) -> dict:
+    """The METRICS struct (ratchet.data.schemas) of one run."""
+    p = p or Plan(Payload(code="pass"), "calls", spec.tests, visible_tests(spec))
+    flags = list(res.security_events)
+    if p.kind == "calls":
+        passed, seen = _calls_passed(res.stdout, p.hidden, p.visible)
+        total = len(p.hidden)
+        if p.visible and total and special_cased(seen / len(p.visible), passed / total if total else 0.0):
+            flags.append(SPECIAL_CASED)
+    else:
+        passed, total, more = _command_passed(p, res)
+        flags += more
+    syntax_ok = _syntax_ok(spec, completion)
+    return {
+        "test_pass_rate": passed / total if total else 0.0,
+        "tests_passed": passed,
+        "tests_total": total,
+        "syntax_ok": syntax_ok,
+        "execution_time_ms": res.wall_ms,
+        "peak_memory_mb": res.peak_memory_mb,
+        "timed_out": res.timed_out,
+        "format_ok": syntax_ok,
+        "output_bytes": len(res.stdout) + len(res.stderr),
+        "security_flags": flags,
+    }
+
+
+def empty_metrics(spec: TaskSpec) -> dict:
+    """Metrics of an empty completion, which is not run: nothing passed, nothing well-formed."""
+    return {"test_pass_rate": 0.0, "tests_passed": 0, "tests_total": len(spec.tests), "syntax_ok": False,
+            "execution_time_ms": 0.0, "peak_memory_mb": 0.0, "timed_out": False, "format_ok": False,
+            "output_bytes": 0, "security_flags": []}
+
+
+def _runtime_missing(p: Plan, res: RunResult) -> str | None:
+    """An env_error kind when the runtime lacks pytest (the task's environment, not the model)."""
+    if p.kind == "pytest" and res.exit_code == 1 and not res.stdout.strip() and "No module named pytest" in res.stderr:
+        return f"runtime: pytest is not installed for {p.payload.python}"
+    return None
+
+
+def _env_error(kind: str, message: str) -> Verification:
+    first = (message.strip().splitlines() or [""])[0]
+    return Verification(metrics={}, env_error=True, env_error_kind=f"{kind}: {first}"[:300])
+
+
+def _plan_or_verdict(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None) -> Plan | Verification:
+    """A Plan to run, or the Verification already known (empty completion, task or runtime error)."""
+    if is_empty(completion):
+        return Verification(metrics=empty_metrics(spec))
+    try:
+        return plan(spec, completion, runtime_python)
+    except ValueError as e:
+        return _env_error("task", str(e))
+    except Exception as e:  # the runtime resolver failed: an environment problem
+        return _env_error("runtime", f"{type(e).__name__}: {e}")
+
+
+def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int) -> dict:
+    """Run every plan; rerun those whose sandbox failed, up to `retries` more times."""
+    results: dict = {}
+    pending = list(plans)
+    for _ in range(retries + 1):
+        runs = run_many([plans[k].payload for k in pending], limits=limits, concurrency=concurrency)
+        results.update(zip(pending, runs))
+        pending = [k for k in pending if results[k].infra_error is not None]
+        if not pending:
+            break
+    return results
+
+
+def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult) -> Verification:
+    if res.infra_error is not None:
+        return _env_error("sandbox", res.infra_error)
+    missing = _runtime_missing(p, res)
+    if missing:
+        return Verification(metrics={}, env_error=True, env_error_kind=missing)
+    return Verification(metrics=metrics_from(spec, completion, res, p))
+
+
+def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
+                concurrency: int | None = None, retries: int = 2,
+                runtime_python: RuntimePython | None = None) -> list[Verification]:
+    """Verify each (spec, completion); results in input order. `runtime_python(env)` gives the
+    interpreter of a task's environment (None: the sandbox's host python, with site-packages, for
+    run_command tasks; check_calls tasks without dependencies always use the fast isolated one)."""
+    keys = [(spec.task_id, completion) for spec, completion in items]
+    runtime_python = _cached(runtime_python) if runtime_python else None
+    first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
+    todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
+    plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
+    results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
+    done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k]) for k, v in todo.items()}
+    return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind) for k in keys]
+
+
+def _cached(resolve: RuntimePython) -> RuntimePython:
+    """Resolve each environment once per call (a resolver may build a virtual environment)."""
+    cache: dict[EnvironmentConfig, str] = {}
+
+    def resolved(env: EnvironmentConfig) -> str:
+        if env not in cache:
+            cache[env] = resolve(env)
+        return cache[env]
+    return resolved

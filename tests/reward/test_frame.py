@@ -1,0 +1,142 @@
+"""score_frame and env_error_report on TRAJECTORY_SCHEMA frames, and reward noise: a sandbox that
+fails on purpose yields env_error rows that are excluded (reward null), never scored 0."""
+
+import pytest
+
+import ratchet.reward.verify as verify
+from envs.spec import COMPLETION, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, RewardLogic, RewardRule, TaskSpec
+from ratchet.config import RewardConfig
+from ratchet.data.schemas import TRAJECTORY_SCHEMA, trajectories_frame
+from ratchet.reward import env_error_report, score_frame, verify_many
+from ratchet.sandbox import RunResult
+
+CFG = RewardConfig(max_env_error_rate=0.25)
+SPEC_EXAMPLE = RewardLogic(rules=(
+    RewardRule(metric="test_pass_rate", weight=0.7, aggregation="max"),
+    RewardRule(metric="execution_time_ms", weight=0.3, aggregation="min", threshold=5000),
+))
+
+
+def metrics(rate, ms=1000.0, **kw):
+    return {"test_pass_rate": rate, "tests_passed": int(rate * 4), "tests_total": 4, "syntax_ok": True,
+            "execution_time_ms": ms, "peak_memory_mb": 10.0, "timed_out": False, "format_ok": True,
+            "output_bytes": 0, "security_flags": [], **kw}
+
+
+def row(i, task_id="t1", family="fam_a", completion="def f(x): return x", m=None, env_error=False, kind=None):
+    return {"run_id": "r", "step": 0, "policy_version": 0, "task_id": task_id, "family": family, "difficulty": 1,
+            "group_id": f"{task_id}-g", "sample_idx": i, "prompt": "p", "completion": completion,
+            "prompt_tokens": 1, "completion_tokens": 1, "completion_ids": [1], "metrics": m,
+            "env_error": env_error, "env_error_kind": kind}
+
+
+def test_score_frame_by_hand():
+    frame = trajectories_frame([
+        row(0, m=metrics(0.5)),                                          # 0.35 + 0.3 * 0.8 = 0.59
+        row(1, m=metrics(1.0, ms=2500.0)),                               # 0.7 + 0.3 * 0.5 = 0.85
+        row(2, task_id="t2", m=metrics(0.75)),                           # default logic: 0.75
+        row(3, m=metrics(1.0, timed_out=True)),                          # timeout: -0.5
+        row(4, m=None, env_error=True, kind="sandbox: worker died"),     # excluded: null
+        row(5, m=None),                                                  # not verified: null
+    ])
+    out = score_frame(frame, {"t1": SPEC_EXAMPLE, "t2": RewardLogic()}, CFG)
+    assert out.schema == TRAJECTORY_SCHEMA
+    assert out["reward"].to_list() == pytest.approx([0.59, 0.85, 0.75, -0.5, None, None], nan_ok=False)
+    assert out.drop("reward").equals(frame.drop("reward"))
+
+
+def test_score_frame_empty_completion_never_scores_above_zero():
+    # metrics that would score 1.0 (e.g. the tests pass on the starting snapshot), but the completion is empty
+    frame = trajectories_frame([row(0, completion="  \n", m=metrics(1.0)), row(1, completion="", m=metrics(1.0))])
+    assert score_frame(frame, {"t1": SPEC_EXAMPLE}, CFG)["reward"].to_list() == [0.0, 0.0]
+
+
+def test_score_frame_names_missing_and_invalid_logic():
+    frame = trajectories_frame([row(0, m=metrics(1.0)), row(1, task_id="t9", m=metrics(1.0))])
+    with pytest.raises(KeyError, match="t9"):
+        score_frame(frame, {"t1": SPEC_EXAMPLE}, CFG)
+    bad = RewardLogic(rules=(RewardRule(metric="speed", weight=1.0),))
+    with pytest.raises(ValueError, match="task 't1'.*unknown metric 'speed'"):
+        score_frame(frame, {"t1": bad, "t9": SPEC_EXAMPLE}, CFG)
+
+
+def test_env_error_report_by_hand():
+    rows = [row(i, family="fam_a", m=metrics(1.0)) for i in range(7)]
+    rows += [row(7, family="fam_a", env_error=True, kind="sandbox: worker died")]          # 1/8 = 0.125
+    rows += [row(i, family="fam_b", m=metrics(1.0)) for i in range(2)]
+    rows += [row(2, family="fam_b", env_error=True, kind="sandbox: could not start"),
+             row(3, family="fam_b", env_error=True, kind="runtime: venv build failed")]   # 2/4 = 0.5
+    report = env_error_report(trajectories_frame(rows), CFG)
+    assert report["rows"] == 12 and report["env_errors"] == 3 and report["rate"] == pytest.approx(0.25)
+    assert report["families"]["fam_a"] == {"rows": 8, "env_errors": 1, "rate": 0.125, "flagged": False,
+                                           "kinds": {"sandbox": 1}}
+    assert report["families"]["fam_b"]["rate"] == 0.5 and report["families"]["fam_b"]["flagged"]
+    assert report["families"]["fam_b"]["kinds"] == {"sandbox": 1, "runtime": 1}
+    assert report["flagged"] == ["fam_b"] and report["threshold"] == 0.25
+
+
+# --- reward noise: the sandbox fails on purpose ---------------------------------------------------
+
+def spec(task_id, family):
+    return TaskSpec(task_id=task_id, family=family, prompt="# add one\ndef f(x):\n",
+                    execution_steps=(OverwriteFile(path="/app/solution.py", content=COMPLETION), CheckCalls(entry_point="f")),
+                    tests=(CallTest(args="[1]", expected="2"), CallTest(args="[5]", expected="6")),
+                    reference_solution="def f(x):\n    return x + 1\n")
+
+
+def wave(specs, completions, results):
+    rows = []
+    for i, (s, c, v) in enumerate(zip(specs, completions, results)):
+        rows.append(row(i, task_id=s.task_id, family=s.family, completion=c, m=v.metrics or None,
+                        env_error=v.env_error, kind=v.env_error_kind))
+    return trajectories_frame(rows)
+
+
+def test_broken_sandbox_rows_are_excluded_not_scored_zero(monkeypatch):
+    """Family `broken` runs on a sandbox whose worker dies on every attempt; `ok` runs for real."""
+    real_run_many = verify.run_many
+    attempts = []
+
+    def flaky_run_many(payloads, limits=None, concurrency=None):
+        attempts.append(len(payloads))
+        real = real_run_many(payloads, limits=limits, concurrency=concurrency)
+        return [RunResult.infra("sandbox worker died") if "BROKEN" in p.code else r for p, r in zip(payloads, real)]
+
+    monkeypatch.setattr(verify, "run_many", flaky_run_many)
+    ok, broken = spec("ok1", "ok"), spec("broken1", "broken")
+    good, bad = "def f(x):\n    return x + 1\n", "def f(x):\n    return x  # BROKEN\n"
+    items = [(ok, good), (ok, "def f(x):\n    return 0\n"), (broken, bad), (broken, good + "# BROKEN\n")]
+    results = verify_many(items, retries=2)
+    assert attempts == [4, 2, 2]                          # the failing runs were retried twice, then given up
+    assert [v.env_error for v in results] == [False, False, True, True]
+    assert results[2].env_error_kind == "sandbox: sandbox worker died" and results[2].metrics == {}
+
+    frame = score_frame(wave(*zip(*items), results), {"ok1": RewardLogic(), "broken1": RewardLogic()}, CFG)
+    assert frame["reward"].to_list() == [1.0, 0.0, None, None]   # null, not 0: excluded from advantages
+    report = env_error_report(frame, CFG)
+    assert report["families"]["broken"] == {"rows": 2, "env_errors": 2, "rate": 1.0, "flagged": True,
+                                            "kinds": {"sandbox": 2}}
+    assert report["families"]["ok"]["rate"] == 0.0 and report["flagged"] == ["broken"]
+
+
+def test_infra_failure_that_recovers_on_retry_is_scored(monkeypatch):
+    real_run_many, calls = verify.run_many, []
+
+    def once_broken(payloads, limits=None, concurrency=None):
+        calls.append(1)
+        if len(calls) == 1:
+            return [RunResult.infra("sandbox could not start") for _ in payloads]
+        return real_run_many(payloads, limits=limits, concurrency=concurrency)
+
+    monkeypatch.setattr(verify, "run_many", once_broken)
+    [v] = verify_many([(spec("ok1", "ok"), "def f(x):\n    return x + 1\n")])
+    assert not v.env_error and v.metrics["test_pass_rate"] == 1.0 and len(calls) == 2
+
+
+def test_runtime_that_cannot_be_built_is_an_env_error():
+    def resolver(env):
+        raise RuntimeError("pip could not resolve numpy==99")
+
+    s = spec("ok1", "ok").model_copy(update={"environment_config": EnvironmentConfig(dependencies=("numpy==99",))})
+    [v] = verify_many([(s, "def f(x):\n    return x + 1\n")], runtime_python=resolver)
+    assert v.env_error and v.env_error_kind == "runtime: RuntimeError: pip could not resolve numpy==99"
