@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
 from ratchet.data.cli import app as gate_app
 from ratchet.sandbox.cli import app as sandbox_app
@@ -55,8 +56,15 @@ def run(
         fields["run_id"] = run_id
     if store is not None:
         fields["store"] = {"uri": store}
-    cfg = NightlyConfig.model_validate(fields)
+    try:
+        cfg = NightlyConfig.model_validate(fields)
+    except ValidationError as e:
+        where = f" in {config}" if config else ""
+        typer.echo(f"error: invalid nightly config{where}:\n{e}", err=True)
+        raise typer.Exit(2)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from flows.nightly import nightly
 
     summary = nightly(cfg)
