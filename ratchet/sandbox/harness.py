@@ -1,0 +1,152 @@
+"""Call a model-written function on test inputs inside the sandbox, compare outside it.
+
+Comparing results inside the candidate's process is hackable: an object whose `__eq__`
+always returns True passes every `==` test. So `call_harness` builds a program that runs
+the completion, calls `entry_point` on each argument list, and prints each return value as
+*plain data* (JSON text, built by an encoder captured before the completion runs, that
+reads builtin values through their C slots and refuses anything that is not a builtin
+type). The verifier compares those strings with the reference's, outside the sandbox:
+
+    code = call_harness(completion, "add", ["[1, 2]", "[3, 4]"])
+    res = sandbox.run(Payload(code=code))
+    got = parse_harness_output(res.stdout, n=2)        # ['3', '7'], None where a call failed
+    expected = parse_harness_output(sandbox.run(Payload(code=call_harness(reference, "add", args))).stdout)
+
+Encoding: null/true/false, ints, floats (exact repr; nan/inf as {"$float": "nan"}), strings,
+lists; tuples, sets, frozensets, dicts and bytes as tagged objects ({"$tuple": [...]}, sets
+and dicts sorted by the encoded key) so `(1, 2)` and `[1, 2]` stay different as in Python.
+
+What this does not stop: the completion runs in the same process first, so it can read the
+harness's marker and print forged result lines. Forging only helps if it already knows the
+expected values (which the verifier keeps outside), and the parser takes the last line per
+call, written by the harness after the call returns.
+"""
+from __future__ import annotations
+
+import json
+
+MARK = "@@ratchet-harness@@"
+
+_TEMPLATE = r'''
+import sys as _s, os as _o, json as _j, ast as _a
+def _mk(_type=type, _int=int, _float=float, _str=str, _bool=bool, _list=list, _tuple=tuple,
+        _dict=dict, _set=set, _fset=frozenset, _bytes=bytes, _issub=issubclass, _sorted=sorted,
+        _esc=_j.encoder.encode_basestring_ascii, _join=str.join, _irepr=int.__repr__,
+        _frepr=float.__repr__, _sstr=str.__str__, _liter=list.__iter__, _titer=tuple.__iter__,
+        _ditems=dict.items, _siter=set.__iter__, _fsiter=frozenset.__iter__, _hex=bytes.hex,
+        _bcopy=bytes.__bytes__ if hasattr(bytes, "__bytes__") else bytes):
+    def enc(x, d=0):
+        if d > 100:
+            raise ValueError("too deep")
+        t = _type(x)
+        if x is None:
+            return "null"
+        if t is _bool:
+            return "true" if x is True else "false"
+        if _issub(t, _bool):
+            raise TypeError("bool subclass")
+        if _issub(t, _int):
+            return _irepr(x)
+        if _issub(t, _float):
+            r = _frepr(x)
+            return r if r not in ("nan", "inf", "-inf") else '{"$float":"%s"}' % r
+        if _issub(t, _str):
+            return _esc(_sstr(x))
+        if _issub(t, _list):
+            return "[" + _join(",", [enc(v, d + 1) for v in _liter(x)]) + "]"
+        if _issub(t, _tuple):
+            return '{"$tuple":[' + _join(",", [enc(v, d + 1) for v in _titer(x)]) + "]}"
+        if _issub(t, _dict):
+            items = _sorted([(enc(k, d + 1), enc(v, d + 1)) for k, v in _ditems(x)])
+            return '{"$dict":[' + _join(",", ["[%s,%s]" % kv for kv in items]) + "]}"
+        if _issub(t, _set) or _issub(t, _fset):
+            it = _siter(x) if _issub(t, _set) else _fsiter(x)
+            return '{"$set":[' + _join(",", _sorted([enc(v, d + 1) for v in it])) + "]}"
+        if _issub(t, _bytes):
+            return '{"$bytes":"%s"}' % _hex(x)
+        raise TypeError("not plain data: " + t.__name__)
+    return enc
+_enc = _mk()
+_w, _loads, _lit, _exit, _flush_o, _flush_e = _o.write, _j.loads, _a.literal_eval, _o._exit, _s.stdout.flush, _s.stderr.flush
+_M = MARK_
+def _out(line):
+    try:
+        _flush_o(); _flush_e()
+    except Exception:
+        pass
+    b = (line + "\n").encode()
+    while b:
+        b = b[_w(1, b):]
+def _args(s):
+    try:
+        v = _loads(s)
+    except ValueError:
+        v = _lit(s)
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+_ns = {"__name__": "__main__", "__builtins__": __builtins__}
+_ok = True
+try:
+    exec(compile(COMPLETION_, "solution.py", "exec"), _ns)
+except BaseException as _e:
+    import traceback as _tb; _tb.print_exc(); _ok = False
+_ARGS = ARGS_
+_out(_M + "\tBEGIN\t%d" % len(_ARGS))
+for _i, _raw in enumerate(_ARGS):
+    if not _ok:
+        break
+    try:
+        _r = _ns[ENTRY_](*_args(_raw))
+        _line = _M + "\t%d\t" % _i + _enc(_r)
+    except BaseException as _e:
+        try:
+            _line = _M + "\t%d\t!%s" % (_i, type(_e).__name__)
+        except BaseException:
+            _line = _M + "\t%d\t!error" % _i
+    _out(_line)
+_out(_M + "\tEND\t%d" % len(_ARGS))
+_exit(0)
+'''
+
+
+def call_harness(completion: str, entry_point: str, args_list: list[str]) -> str:
+    """Python source that runs `completion`, then prints `entry_point(*args)` as plain-data
+    JSON for each args in args_list (each a JSON array of positional arguments, or a Python
+    literal list/tuple), one marked line per call."""
+    src = _TEMPLATE.replace("MARK_", repr(MARK)).replace("COMPLETION_", repr(completion))
+    return src.replace("ARGS_", repr([str(a) for a in args_list])).replace("ENTRY_", repr(entry_point))
+
+
+def parse_harness_output(stdout: str, n: int | None = None) -> list[str | None]:
+    """Per-call JSON result strings from a harness run's stdout; None where a call raised,
+    returned something that is not plain data, or never ran. `n` pads to the expected count
+    (e.g. when the completion failed to import, no BEGIN line is printed)."""
+    count, results = None, {}
+    for line in stdout.splitlines():
+        if not line.startswith(MARK + "\t"):
+            continue
+        parts = line.split("\t", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "BEGIN":
+            count, results = _int(parts[2]), {}
+        elif parts[1] != "END" and count is not None:
+            i = _int(parts[1])
+            if i is not None and 0 <= i < count:
+                results[i] = None if parts[2].startswith("!") else _valid_json(parts[2])
+    size = n if n is not None else (count or 0)
+    return [results.get(i) for i in range(size)]
+
+
+def _int(s: str) -> int | None:
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def _valid_json(s: str) -> str | None:
+    try:
+        json.loads(s)
+        return s
+    except ValueError:
+        return None
