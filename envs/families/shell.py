@@ -1,0 +1,151 @@
+"""shell: reach a target filesystem state with a POSIX shell script.
+
+    Starting files: data/a.log, data/b.txt, notes.txt
+    1. Create the directory 'out'.
+    2. Move 'data/a.log' to 'out/a.log'.
+    3. Write the number of .txt files directly inside 'data' to 'count.txt'.
+
+The completion is written to solution.sh; a hidden, read-only acceptance script (check.py)
+runs it with /bin/sh in the task's directory, then checks the final state: every expected
+file with its exact content (trailing newlines ignored), every removed path gone. It exits
+0 only when the whole state is right. Difficulty = number of steps (1..5); the expected state
+comes from simulating the steps here, never from running a script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.registry import register_family
+from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
+
+CHECK = '''import json, os, subprocess, sys
+EXPECT = json.loads(EXPECT_)
+try:
+    subprocess.run(["/bin/sh", "solution.sh"], timeout=TIMEOUT_, stdin=subprocess.DEVNULL)
+except subprocess.TimeoutExpired:
+    print("solution.sh timed out"); sys.exit(1)
+bad = []
+for path, content in EXPECT["files"].items():
+    try:
+        with open(path) as f:
+            got = f.read()
+    except OSError:
+        bad.append("missing " + path); continue
+    if got.rstrip("\\n") != content.rstrip("\\n"):
+        bad.append("wrong content in " + path)
+bad += ["still exists: " + p for p in EXPECT["absent"] if os.path.lexists(p)]
+bad += ["not a directory: " + d for d in EXPECT["dirs"] if not os.path.isdir(d)]
+total = len(EXPECT["files"]) + len(EXPECT["absent"]) + len(EXPECT["dirs"])
+print("\\n".join(bad)); print("%d passed, %d failed" % (total - len(bad), len(bad)))
+sys.exit(1 if bad else 0)
+'''
+
+_WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma")
+_EXTS = ("txt", "log", "csv")
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    start_files: int = Field(4, ge=2, le=20, description="Files in the starting snapshot.")
+    script_timeout_s: float = Field(3.0, gt=0, le=60, description="Time the acceptance script gives solution.sh.")
+    heldout_fraction: float = Field(0.15, gt=0, lt=1, description="Share of tasks (by their step list) reserved for held-out.")
+
+
+def _start(rng: random.Random, n: int) -> dict[str, str]:
+    files = {}
+    while len(files) < n:
+        d = rng.choice(("data", "data", "logs", ""))
+        name = f"{rng.choice(_WORDS)}.{rng.choice(_EXTS)}"
+        files[f"{d}/{name}" if d else name] = f"{rng.choice(_WORDS)} {rng.randint(1, 99)}\n"
+    return files
+
+
+def _step(rng: random.Random, fs: dict[str, str], dirs: set[str]) -> tuple[str, str]:
+    """Apply one random step to (fs, dirs); return (instruction, shell line)."""
+    kind = rng.choice(("mkdir", "write", "copy", "move", "delete", "count", "append"))
+    files = sorted(fs)
+    src = rng.choice(files) if files else None
+    if kind == "mkdir" or src is None:
+        d = f"{rng.choice(('out', 'archive', 'backup'))}{rng.randint(1, 9)}"
+        dirs.add(d)
+        return f"Create the directory '{d}'.", f"mkdir -p {d}"
+    if kind == "write":
+        path, text = f"{rng.choice(_WORDS)}{rng.randint(1, 9)}.txt", f"{rng.choice(_WORDS)} {rng.randint(100, 999)}"
+        fs[path] = text + "\n"
+        return f"Create the file '{path}' containing the line '{text}'.", f"echo '{text}' > {path}"
+    if kind in ("copy", "move"):
+        d = f"{rng.choice(('out', 'archive', 'backup'))}{rng.randint(1, 9)}"
+        dst = f"{d}/{src.rsplit('/', 1)[-1]}"
+        dirs.add(d)
+        fs[dst] = fs[src]
+        if kind == "move":
+            del fs[src]
+            return f"Move '{src}' to '{dst}' (create '{d}' if needed).", f"mkdir -p {d} && mv {src} {dst}"
+        return f"Copy '{src}' to '{dst}' (create '{d}' if needed).", f"mkdir -p {d} && cp {src} {dst}"
+    if kind == "delete":
+        del fs[src]
+        return f"Delete '{src}'.", f"rm -f {src}"
+    if kind == "append":
+        text = f"{rng.choice(_WORDS)} {rng.randint(100, 999)}"
+        fs[src] = fs[src] + text + "\n"
+        return f"Append the line '{text}' to '{src}'.", f"echo '{text}' >> {src}"
+    top = sorted({p.rsplit(".", 1)[-1] for p in fs if "/" not in p and "." in p} & set(_EXTS))
+    if not top:   # nothing to count (a zero count is too easy to get right by accident)
+        return _step(rng, fs, dirs)
+    ext = rng.choice(top)
+    n = sum(1 for p in fs if p.endswith("." + ext) and "/" not in p)
+    out = f"count_{ext}.txt"
+    fs[out] = f"{n}\n"
+    return (f"Write the number of .{ext} files in the top directory (before this step) to '{out}'.",
+            f"n=$(ls -1 | grep -c '\\.{ext}$'); echo $n > {out}")
+
+
+def _reserved(key: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(f"shell/heldout/{key}".encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def generate(cfg: Config, seed: int, index: int, difficulty: int, split: str) -> TaskSpec:
+    rng = random.Random(f"shell:{seed}:{split}:{difficulty}:{index}")
+    while True:
+        start = _start(rng, cfg.start_files)
+        fs, dirs, steps, lines = dict(start), set(), [], []
+        for _ in range(difficulty):
+            what, line = _step(rng, fs, dirs)
+            steps.append(what)
+            lines.append(line)
+        if fs != start and _reserved("|".join(steps), cfg.heldout_fraction) == (split == "heldout"):
+            break
+    listing = ", ".join(sorted(start))
+    prompt = ("Write a POSIX shell script, run with /bin/sh in the task's directory, that does the following.\n"
+              f"Starting files: {listing}\n" + "".join(f"{i}. {s}\n" for i, s in enumerate(steps, 1)))
+    expect = {"files": {p: c for p, c in sorted(fs.items())},
+              "absent": sorted(set(start) - set(fs)), "dirs": sorted(dirs)}
+    check = CHECK.replace("EXPECT_", repr(json.dumps(expect))).replace("TIMEOUT_", repr(cfg.script_timeout_s))
+    digest = hashlib.sha256(f"{prompt}|{seed}|{index}".encode()).hexdigest()[:12]
+    return TaskSpec(
+        task_id=f"sh-{split}-{difficulty}-{digest}", family="shell", difficulty=difficulty, split=split,
+        prompt=prompt,
+        execution_steps=(OverwriteFile(path="/app/solution.sh", content=COMPLETION), RunCommand(command="python check.py")),
+        files=start, test_files={"check.py": check},
+        reference_solution="".join(line + "\n" for line in lines),
+        metadata={"steps": len(steps)},
+    )
+
+
+def trivial_answers(spec: TaskSpec) -> list[str]:
+    return ["", ":\n", "exit 0\n", "ls\n", "rm -rf ./*\n"]
+
+
+def curriculum(step: int, total: int, max_difficulty: int) -> list[float]:
+    """Start on one-step scripts; by the end every length is equally likely."""
+    t = step / max(total - 1, 1)
+    return [1.0 if d == 1 else t for d in range(1, max_difficulty + 1)] if t > 0 else [1.0] + [0.0] * (max_difficulty - 1)
+
+
+register_family("shell", config=Config, generate=generate, trivial_answers=trivial_answers, curriculum=curriculum)

@@ -1,0 +1,29 @@
+"""Flow: produce and audit environments; the audited tasks are what training may use.
+
+    python -m flows.audit_envs            # the default EnvsConfig, local store
+
+From Python: `from flows.audit_envs import audit_envs_flow; audit_envs_flow(EnvsConfig(families=("arithmetic",)))`.
+Each family gets a Prefect table artifact (tasks per verdict) and a markdown artifact (the
+quarantined tasks and the regression against the family's previous version).
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from envs.audit import AuditConfig
+from ratchet.config import EnvsConfig, StoreConfig, VerifyConfig
+from tasks.envs import AuditResult, audit_envs, produce_envs
+
+
+@flow(name="audit_envs", log_prints=True)
+def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), verify: VerifyConfig = VerifyConfig(),
+                    store: StoreConfig = StoreConfig(), audit: AuditConfig = AuditConfig()) -> list[AuditResult]:
+    """Produce each family's snapshot, then audit it in the sandbox."""
+    snapshots = [produce_envs(family, envs, store) for family in envs.families]
+    return [audit_envs(snapshot, verify, store, audit) for snapshot in snapshots]
+
+
+if __name__ == "__main__":
+    for result in audit_envs_flow():
+        print(result.model_dump_json())

@@ -1,0 +1,24 @@
+"""Flow: produce environment snapshots, one per family.
+
+    python -m flows.produce_envs          # the default EnvsConfig, local store
+
+From Python: `from flows.produce_envs import produce_envs_flow; produce_envs_flow(EnvsConfig(n_train=500))`.
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from ratchet.config import EnvsConfig, StoreConfig
+from tasks.envs import EnvSnapshot, produce_envs
+
+
+@flow(name="produce_envs", log_prints=True)
+def produce_envs_flow(envs: EnvsConfig = EnvsConfig(), store: StoreConfig = StoreConfig()) -> list[EnvSnapshot]:
+    """Generate, dedup and decontaminate every configured family; write versioned snapshots."""
+    return [produce_envs(family, envs, store) for family in envs.families]
+
+
+if __name__ == "__main__":
+    for snap in produce_envs_flow():
+        print(snap.model_dump_json())
