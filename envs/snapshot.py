@@ -14,6 +14,7 @@ Used by the Prefect tasks (tasks/envs.py) and the `ratchet envs import` command 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import polars as pl
@@ -29,8 +30,15 @@ def prefix(family: str, version: str) -> str:
     return f"envs/{family}/{version}"
 
 
+@functools.lru_cache(maxsize=32)
+def _specs(ref_json: str) -> tuple[TaskSpec, ...]:
+    ref = Ref.model_validate_json(ref_json)
+    return tuple(TaskSpec.model_validate_json(j) for j in store_for(ref).read_table(ref)["spec_json"])
+
+
 def load_specs(ref: Ref) -> list[TaskSpec]:
-    return [TaskSpec.model_validate_json(j) for j in store_for(ref).read_table(ref)["spec_json"]]
+    """The task specs of a task table; parsed once per process per Ref (content-addressed)."""
+    return list(_specs(ref.model_dump_json()))
 
 
 def versions(st: ArtifactStore, family: str) -> list[str]:

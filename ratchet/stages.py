@@ -1,37 +1,24 @@
 """The nightly cycle's stages as plain functions: what each Prefect task in `tasks/` calls.
 
 Every function here takes frames, specs and configs and returns frames or plain values;
-none touches Prefect, and only `load_specs` touches the store. Read a nightly run from
+none touches Prefect or the store. Read a nightly run from
 `flows/nightly.py` (the order), through `tasks/` (load, call one of these, save), to here.
 """
 
 from __future__ import annotations
 
-import functools
-
 import polars as pl
 import torch
 
 from envs.registry import get_family
+from envs.runtime import resolve
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.rl import TOKEN_LEVEL_ESTIMATORS, compute_advantages, zero_variance_groups
 from ratchet.rollout.wave import pick_tasks, wave_frame
+from ratchet.reward.verify import verify_many
 from ratchet.sandbox import Limits
-from ratchet.store import Ref, store_for
 from ratchet.train.torch_trainer import TrainSample
-
-
-@functools.lru_cache(maxsize=32)
-def _specs(uri: str, sha256: str, ref_json: str) -> tuple[TaskSpec, ...]:
-    ref = Ref.model_validate_json(ref_json)
-    frame = store_for(ref).read_table(ref)
-    return tuple(TaskSpec.model_validate_json(s) for s in frame["spec_json"])
-
-
-def load_specs(ref: Ref) -> list[TaskSpec]:
-    """Task specs of a task table in the store (parsed once per process per sha256)."""
-    return list(_specs(ref.uri, ref.sha256, ref.model_dump_json()))
 
 
 def limits(cfg: NightlyConfig) -> Limits:
@@ -51,10 +38,9 @@ def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int,
 
 def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:
     """Fill `metrics`, `env_error`, `env_error_kind` by running every completion in the sandbox."""
-    from ratchet.reward.verify import verify_many
-
     items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
-    results = verify_many(items, limits(cfg), cfg.verify.concurrency, cfg.verify.env_error_retries)
+    results = verify_many(items, limits(cfg), cfg.verify.concurrency, cfg.verify.env_error_retries,
+                          runtime_python=resolve)
     metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
     return frame.with_columns(
         metrics,

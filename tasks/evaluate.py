@@ -8,6 +8,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from envs.snapshot import load_specs
 from ratchet import stages
 from ratchet.config import NightlyConfig
 from ratchet.eval import evaluate as evaluate_policy
@@ -21,7 +22,7 @@ INCUMBENT = "models/promoted/INCUMBENT"
 
 
 def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
-    specs = [s for r in heldout for s in stages.load_specs(r)][: cfg.eval.n_tasks]
+    specs = [s for r in heldout for s in load_specs(r)][: cfg.eval.n_tasks]
     return evaluate_policy(engine, specs, stages.limits(cfg), cfg.rollout.max_new_tokens,
                            cfg.rollout.batch_size, cfg.verify.concurrency)
 

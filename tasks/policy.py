@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from envs.snapshot import load_specs
 from ratchet import stages
 from ratchet.config import NightlyConfig
 from ratchet.store import Ref, open_store
@@ -37,7 +38,7 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
         else:
             from ratchet.train.sft import warm_start
 
-            specs = [s for r in train for s in stages.load_specs(r)]
+            specs = [s for r in train for s in load_specs(r)]
             write = lambda d: warm_start(cfg.model, specs, d, log=logger.info)  # noqa: E731
         ref = save_checkpoint(store, run_id, 0, write)
     logger.info("policy v0 of run %s at %s", run_id, ref.uri)
@@ -48,7 +49,7 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: NightlyConfig) -> Ref:
     """Sample one wave from the current policy; trajectories to the store."""
     session = sessions.open_session(policy, cfg)
-    frames = [stages.rollout(session.engine, stages.load_specs(r), policy.run_id, step, policy.version, cfg)
+    frames = [stages.rollout(session.engine, load_specs(r), policy.run_id, step, policy.version, cfg)
               for r in train]
     import polars as pl
 

@@ -73,19 +73,52 @@ def _reserved(item: str, fraction: float = 0.15) -> bool:
 
 class Config(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    n_tests: int = Field(6, ge=1, le=64, description="Hidden tests per task.")
-    int_range: int = Field(20, ge=1, le=10**6, description="Integer inputs are drawn from [-int_range, int_range].")
-    max_str_len: int = Field(6, ge=1, le=64, description="String inputs have 1..max_str_len letters.")
+    n_tests: int = Field(10, ge=1, le=64, description="Hidden tests per task.")
+    int_range: int = Field(40, ge=1, le=10**6, description="Integer inputs are drawn from [-int_range, int_range].")
+    max_str_len: int = Field(8, ge=1, le=64, description="String inputs have 1..max_str_len letters.")
     heldout_fraction: float = Field(0.15, gt=0, lt=1, description="Share of reserved operation pairs.")
+
+
+_SELF_UNDOING = {"neg", "abs", "sq", "rev", "upper", "lower"}
+"""Constant-free operations that, repeated back to back, are redundant (abs, upper, lower)
+or undo themselves (neg, rev): such chains say less than their length."""
 
 
 def _chain(rng: random.Random, kind: str, length: int) -> list[tuple[Op, object]]:
     ops = _BY_KIND[kind]
-    chain = []
-    for _ in range(length):
+    chain: list[tuple[Op, object]] = []
+    while len(chain) < length:
         op = rng.choice(ops)
+        if chain and op.name == chain[-1][0].name and op.name in _SELF_UNDOING - {"sq"}:
+            continue
         chain.append((op, rng.choice(op.consts) if op.consts else None))
     return chain
+
+
+def _apply(chain: list[tuple[Op, object]], value):
+    for op, c in chain:
+        value = op.apply(value, c)
+    return value
+
+
+def _variants(chain: list[tuple[Op, object]]):
+    """Programs a mutant-testing audit would try: one operation dropped, one constant +-1."""
+    for i, (op, c) in enumerate(chain):
+        yield chain[:i] + chain[i + 1:]
+        if isinstance(c, int) and not isinstance(c, bool):
+            for d in (-1, 1):
+                if op.name not in ("div", "mod", "repeat") or c + d >= 1:
+                    yield chain[:i] + [(op, c + d)] + chain[i + 1:]
+
+
+def _collapses(chain: list[tuple[Op, object]], inputs: list) -> bool:
+    """True when the tests could not tell the chain from a simpler or slightly different one:
+    it is the identity or a constant on these inputs, or dropping an operation or moving a
+    constant by one gives the same outputs (a redundant step, or tests too weak to see it)."""
+    outs = [_apply(chain, v) for v in inputs]
+    if outs == inputs or len({repr(o) for o in outs}) == 1:
+        return True
+    return any([_apply(v, x) for x in inputs] == outs for v in _variants(chain))
 
 
 def _is_heldout(chain: list[tuple[Op, object]], fraction: float) -> bool:
@@ -115,15 +148,11 @@ def generate(cfg: Config, seed: int, index: int, difficulty: int, split: str) ->
     while True:  # rejection-sample a chain on the right side of the held-out reservation
         kind = "int" if rng.random() < 9 / 16 else "str"
         chain = _chain(rng, kind, difficulty)
-        if _is_heldout(chain, cfg.heldout_fraction) == (split == "heldout"):
+        inputs = _inputs(rng, kind, cfg)
+        if _is_heldout(chain, cfg.heldout_fraction) == (split == "heldout") and not _collapses(chain, inputs):
             break
     prompt, body = _render(chain)
-    tests = []
-    for value in _inputs(rng, kind, cfg):
-        out = value
-        for op, c in chain:
-            out = op.apply(out, c)
-        tests.append(CallTest(args=json.dumps([value]), expected=json.dumps(out)))
+    tests = [CallTest(args=json.dumps([v]), expected=json.dumps(_apply(chain, v))) for v in inputs]
     key = "|".join(f"{op.name}:{c}" for op, c in chain)
     return TaskSpec(
         task_id=f"pf-{split}-{difficulty}-{hashlib.sha256(f'{key}|{seed}|{index}'.encode()).hexdigest()[:12]}",

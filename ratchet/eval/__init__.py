@@ -15,6 +15,7 @@ from typing import Sequence
 
 import polars as pl
 
+from envs.runtime import resolve
 from envs.spec import TaskSpec
 from ratchet.reward.verify import verify_many
 from ratchet.sandbox import Limits
@@ -33,7 +34,8 @@ def evaluate(engine, specs: Sequence[TaskSpec], limits: Limits | None = None, ma
              batch_size: int = 128, concurrency: int | None = None) -> EvalResult:
     rollouts = engine.generate([s.prompt for s in specs], n=1, max_new_tokens=max_new_tokens,
                                greedy=True, batch_size=batch_size)
-    results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], limits, concurrency)
+    results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], limits, concurrency,
+                          runtime_python=resolve)
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in specs],
         "difficulty": [s.difficulty for s in specs],

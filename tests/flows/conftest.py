@@ -15,5 +15,5 @@ def prefect_harness():
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    with prefect_test_harness(server_startup_timeout=180):  # a busy 2-core CI machine
         yield
