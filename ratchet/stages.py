@@ -85,9 +85,7 @@ def train_samples(frame: pl.DataFrame, encode_prompts, estimator: str) -> list[T
     out = []
     for ids, row in zip(prompt_ids, usable.iter_rows(named=True)):
         adv = row["advantage"] if row["advantage"] is not None else 0.0
-        sample = TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], adv, row["group_id"])
-        if hasattr(sample, "reward"):
-            sample.reward = row["reward"]
-        out.append(sample)
+        out.append(TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], adv, row["group_id"],
+                               reward=row["reward"]))
     return out
 

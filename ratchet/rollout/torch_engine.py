@@ -6,7 +6,7 @@
 Each rollout carries the sampled token ids and their log-probs under the sampling
 distribution (logits / temperature): the behaviour log-probs the trainer's importance
 ratios are taken against. Prompts are left-padded so every sequence's next token sits in
-the last column; finished sequences keep decoding pad tokens until the batch is done.
+the last column; a sequence that emits EOS leaves the batch (and its KV cache rows).
 """
 
 from __future__ import annotations
@@ -65,37 +65,39 @@ class TorchEngine:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [B, P]
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos,
                          use_cache=True, logits_to_keep=1)
-        past, logits = out.cache, out.logits[:, -1].float()                       # [B, V]
-        next_pos = pos[:, -1:] + 1                                                # [B, 1]
-        tokens, logps = [], []
-        done = torch.zeros(B, dtype=torch.bool, device=self.device)
-        for _ in range(max_new_tokens):
-            logprobs = torch.log_softmax(logits / temperature, dim=-1)             # [B, V]
+        cache, logits = out.cache, out.logits[:, -1].float()                      # [B, V]
+        next_pos = pos[:, -1:] + 1                                                # [b, 1]
+        rows = torch.arange(B, device=self.device)                                # [b] batch row of each live row
+        steps = []                                                                # (rows, tokens, logprobs) per step
+        for t in range(max_new_tokens):
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)             # [b, V]
             if greedy:
-                tok = logprobs.argmax(-1)                                         # [B]
+                tok = logprobs.argmax(-1)                                         # [b]
             else:
                 tok = torch.multinomial(logprobs.exp().cpu(), 1, generator=gen).squeeze(1).to(self.device)
-            lp = logprobs.gather(1, tok[:, None]).squeeze(1)                      # [B]
-            tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-            tokens.append(tok)
-            logps.append(lp)
-            done |= tok == self.eos
-            if bool(done.all()):
+            steps.append((rows, tok, logprobs.gather(1, tok[:, None]).squeeze(1)))
+            live = tok != self.eos                                                # [b]
+            if t == max_new_tokens - 1 or not bool(live.any()):
                 break
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)            # [B, P+t]
+            if not bool(live.all()):  # drop finished rows from the batch and the KV cache
+                idx = live.nonzero().squeeze(1)
+                cache.batch_select_indices(idx)
+                rows, tok, attn, next_pos = rows[idx], tok[idx], attn[idx], next_pos[idx]
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)          # [b, P+t+1]
             out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos,
-                             cache=past, use_cache=True)
-            past, logits = out.cache, out.logits[:, -1].float()
+                             cache=cache, use_cache=True)
+            cache, logits = out.cache, out.logits[:, -1].float()
             next_pos = next_pos + 1
-        toks = torch.stack(tokens, 1).cpu()                                        # [B, T]
-        lps = torch.stack(logps, 1).cpu()                                          # [B, T]
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        for r, tok, lp in steps:
+            for b, x, l in zip(r.tolist(), tok.tolist(), lp.tolist()):
+                tokens[b].append(x)
+                logps[b].append(l)
         results = []
         for b, (i, ids) in enumerate(jobs):
-            row = toks[b].tolist()
-            length = row.index(self.eos) + 1 if self.eos in row else len(row)
-            finished = self.eos in row
-            comp = row[:length]
-            text_ids = comp[:-1] if finished else comp
-            results.append(Rollout(i, ids, comp, lps[b, :length].tolist(),
-                                   self.tokenizer.decode(text_ids, skip_special_tokens=False), finished))
+            comp = tokens[b]
+            finished = bool(comp) and comp[-1] == self.eos
+            text = self.tokenizer.decode(comp[:-1] if finished else comp, skip_special_tokens=False)
+            results.append(Rollout(i, ids, comp, logps[b], text, finished))
         return results

@@ -10,6 +10,7 @@ checkpoint (`nightly(NightlyConfig(run_id=...))`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import threading
@@ -112,7 +113,8 @@ def checkpoint(session: PolicySession, store: ArtifactStore) -> PolicyRef:
     """Write a complete checkpoint of the session (weights, trainer state, ledger) + LATEST."""
 
     def write(d: Path) -> None:
-        save_policy(session.model, session.tokenizer, d)
+        with getattr(session.trainer, "gathered", contextlib.nullcontext)():   # ZeRO-3: whole weights
+            save_policy(session.model, session.tokenizer, d)
         torch.save(session.trainer.state_dict(), d / "trainer.pt")
         (d / "ledger.json").write_text(json.dumps(
             {"run_id": session.run_id, "version": session.version, "consumed_waves": session.consumed_waves}
