@@ -294,9 +294,8 @@ class Trainer(ABC):
 
     def current_lr(self) -> float:
         cfg = self.cfg
-        # lr_schedule / lr_decay_steps / min_lr_ratio: TrainConfig fields when present (else constant).
-        factor = lr_factor(self.step, cfg.warmup_steps, getattr(cfg, "lr_schedule", "constant"),
-                           getattr(cfg, "lr_decay_steps", 0), getattr(cfg, "min_lr_ratio", 0.0))
+        factor = lr_factor(self.step, cfg.warmup_steps, cfg.lr_schedule,
+                           cfg.lr_decay_steps, cfg.min_lr_ratio)
         return cfg.lr * factor
 
     def _zero_grad_sample(self, s: TrainSample) -> bool:

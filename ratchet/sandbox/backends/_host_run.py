@@ -193,6 +193,9 @@ class HostRunSlot:
         events = pump.events() + events
         extra = None
         cpu_ms = (ru.ru_utime + ru.ru_stime) * 1000
+        # ru_maxrss counts the pages the child inherited from this (possibly large) process at
+        # fork, before exec: the slot cgroup's peak, which counts only the run's own charges,
+        # is the truer figure where there is one.
         peak = ru.ru_maxrss / 1024
         if self.cg:
             after = self.cg.counters()
@@ -201,7 +204,7 @@ class HostRunSlot:
                 events.append("fork_limit")
             if after["oom_kill"] > before["oom_kill"]:
                 extra = "memory"
-            peak = max(peak, after["peak"] / 2**20)
+            peak = after["peak"] / 2**20
         status = self.translate_status(status)
         if extra is None and "fork_limit" in events and not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
             extra = "pids"
