@@ -20,6 +20,7 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
+from envs.cli import app as envs_app, verify_command
 from ratchet.data.cli import app as gate_app
 from ratchet.sandbox.cli import app as sandbox_app
 
@@ -27,13 +28,8 @@ app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestr
                   no_args_is_help=True, add_completion=False)
 app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspect its mechanisms.")
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
-try:  # environment production commands (envs/cli.py)
-    from envs.cli import app as envs_app, verify_command
-
-    app.add_typer(envs_app, name="envs", help="Import and inspect task specs.")
-    app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
-except ImportError:  # pragma: no cover - only while envs/cli.py is absent
-    pass
+app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
+app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
 
 SUMMARY_KEYS = ("run_id", "summary", "base_pass_rate", "final_pass_rate", "promoted", "steps", "wall_s")
 
