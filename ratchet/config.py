@@ -52,7 +52,7 @@ class ModelConfig(Frozen):
     num_heads: int = Field(6, ge=1, le=64, description="Embedded model: attention heads.")
     vocab_size: int = Field(384, ge=64, le=65536, description="Embedded model: BPE vocabulary size.")
     max_seq_len: int = Field(256, ge=32, le=32768, description="Context length (prompt + completion).")
-    sft_steps: int = Field(120, ge=0, le=100_000, description="Warm-start SFT steps on demonstrations.")
+    sft_steps: int = Field(130, ge=0, le=100_000, description="Warm-start SFT steps on demonstrations.")
     sft_batch: int = Field(32, ge=1, le=4096, description="Warm-start SFT batch size.")
     sft_lr: float = Field(2e-3, gt=0, le=1.0, description="Warm-start SFT learning rate.")
     sft_fraction: float = Field(
@@ -77,7 +77,9 @@ class RLConfig(Frozen):
     clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio >= 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
-        "token_mean", description="How per-token losses reduce to one number (token- vs sequence-level)."
+        "seq_mean_token_mean",
+        description="How per-token losses reduce to one number (token- vs sequence-level). token_mean lets long "
+        "failed completions outweigh short correct ones; on the embedded model it undid the SFT warm start.",
     )
     kl_coef: float = Field(0.0, ge=0, le=10, description="KL-to-reference coefficient; 0 skips the reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
@@ -142,7 +144,7 @@ class NightlyConfig(Frozen):
     """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
 
     run_id: str | None = Field(None, max_length=128, description="Run id; empty: a timestamped id.")
-    steps: int = Field(40, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
+    steps: int = Field(80, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every N waves (and at the end).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts live.")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="Environment production.")

@@ -210,12 +210,12 @@ class PolicyWithValue(nn.Module):
         pos = (prompt_attn.cumsum(-1) - 1).clamp(min=0)                                    # [U, P]
         out = self.policy(input_ids=prompt_ids, attention_mask=prompt_attn, position_ids=pos,
                           use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = out.cache
         cache.batch_select_indices(index)                                                  # U -> N rows
         attn = torch.cat([prompt_attn[index], comp_attn], dim=1)                           # [N, P + C]
         pos_c = pos[index, -1:] + 1 + torch.arange(comp_ids.shape[1], device=pos.device)   # [N, C]
         out_c = self.policy(input_ids=comp_ids, attention_mask=attn, position_ids=pos_c,
-                            past_key_values=cache, use_cache=True)
+                            cache=cache, use_cache=True)
         # completion token j is predicted at the last prompt position (j = 0) or at completion j - 1
         return torch.cat([out.logits[index, -1:], out_c.logits[:, :-1]], dim=1)           # [N, C, V]
 
