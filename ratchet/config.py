@@ -94,7 +94,7 @@ class RLConfig(Frozen):
 
 class TrainConfig(Frozen):
     backend: Literal["torch", "deepspeed"] = Field("torch", description="Trainer backend.")
-    lr: float = Field(2e-4, gt=0, le=1.0, description="Adam learning rate for RL updates.")
+    lr: float = Field(1e-4, gt=0, le=1.0, description="Adam learning rate for RL updates.")
     weight_decay: float = Field(0.0, ge=0, le=1, description="AdamW weight decay.")
     warmup_steps: int = Field(0, ge=0, le=100_000, description="Linear LR warm-up, in optimizer steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up: constant, or cosine decay.")

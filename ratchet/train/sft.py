@@ -49,14 +49,11 @@ def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_siz
 
 
 def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, reference) for a `fraction` of the tasks, the hardest level thinned to a third:
-    the base policy sees every output shape but must learn the long ones by RL."""
+    """(prompt, reference) for a `fraction` of the tasks, drawn alike from every difficulty,
+    so the base policy has seen every output shape (RL does not discover shapes it never
+    produces) but solves few tasks: the rest is left to RL."""
     rng = random.Random(f"demos:{seed}")
-    top = max(s.difficulty for s in specs)
-    return [
-        (s.prompt, s.reference_solution) for s in specs
-        if rng.random() < fraction * (0.3 if s.difficulty == top and top > 1 else 1.0)
-    ]
+    return [(s.prompt, s.reference_solution) for s in specs if rng.random() < fraction]
 
 
 def warm_start(cfg, specs, out_dir, log=None):

@@ -46,10 +46,12 @@ def test_sft_lowers_the_loss_on_demonstrations():
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
-def test_demonstrations_thin_the_hardest_level():
+def test_demonstrations_are_a_deterministic_share_of_every_difficulty():
     specs = _specs(600)
-    demos = dict(demonstrations(specs, 0.5))
-    top = [s for s in specs if s.difficulty == 3]
-    share_top = sum(s.prompt in demos for s in top) / len(top)
-    share_low = sum(s.prompt in demos for s in specs if s.difficulty == 1) / sum(s.difficulty == 1 for s in specs)
-    assert share_top < share_low
+    demos = demonstrations(specs, 0.5)
+    assert demos == demonstrations(specs, 0.5)
+    prompts = dict(demos)
+    for d in (1, 2, 3):
+        level = [s for s in specs if s.difficulty == d]
+        share = sum(s.prompt in prompts for s in level) / len(level)
+        assert 0.3 < share < 0.7, (d, share)
