@@ -65,6 +65,11 @@ def drop_caps():
 
 # ---------------------------------------------------------------- root filesystem (once)
 
+def _under_tmp(path):
+    real = os.path.realpath(path)
+    return real == "/tmp" or real.startswith("/tmp/")
+
+
 def bind_ro(src, dst, is_dir=True):
     if is_dir:
         os.makedirs(dst, exist_ok=True)
@@ -79,6 +84,11 @@ def build_root(cfg):
     """Private mount namespace; a tmpfs root with read-only binds of what the runtime needs."""
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # An interpreter prefix under /tmp (a checkout in /tmp) would be hidden by the staging
+    # tmpfs below and by every run's fresh /tmp: hold it open now, park it at /.tmpbinds/<i>,
+    # and bind it back into each run's /tmp (prewarm).
+    cfg["tmp_binds"] = [p for p in cfg["binds"] if _under_tmp(p)]
+    held = [os.open(p, os.O_PATH) for p in cfg["tmp_binds"]]
     new = "/tmp"
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,mode=755")
     for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -89,8 +99,11 @@ def build_root(cfg):
             bind_ro(p, new + p)
     bind_ro("/usr", new + "/usr")
     for prefix in cfg["binds"]:
-        if not os.path.realpath(prefix).startswith("/usr/"):
+        if not os.path.realpath(prefix).startswith("/usr/") and prefix not in cfg["tmp_binds"]:
             bind_ro(prefix, new + prefix)
+    for i, fd in enumerate(held):
+        bind_ro(f"/proc/self/fd/{fd}", f"{new}/.tmpbinds/{i}")
+        os.close(fd)
     os.makedirs(new + "/etc")
     uid = cfg["uid"]
     files = {"passwd": f"root:x:0:0::/:/bin/false\nsandbox:x:{uid}:{uid}::/tmp/work:/bin/false\n",
@@ -141,6 +154,10 @@ def prewarm(cfg):
             unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID)
             mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
                   f"size={4 * cfg['limits']['fsize_mb']}m,nr_inodes=8192,mode=1777")
+            for i, path in enumerate(cfg["tmp_binds"]):   # interpreter prefixes that live under /tmp
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                mount(f"/.tmpbinds/{i}", path, None, MS_BIND | MS_REC)
+                mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
             b = os.fork()
             if b:
                 os.write(sp_w, struct.pack("i", b))

@@ -47,11 +47,11 @@ def test_sft_lowers_the_loss_on_demonstrations():
 
 
 def test_demonstrations_are_a_deterministic_share_of_every_difficulty():
-    specs = _specs(600)
+    specs = list({s.prompt: s for s in _specs(900)}.values())     # distinct prompts only
     demos = demonstrations(specs, 0.5)
     assert demos == demonstrations(specs, 0.5)
     prompts = dict(demos)
     for d in (1, 2, 3):
         level = [s for s in specs if s.difficulty == d]
         share = sum(s.prompt in prompts for s in level) / len(level)
-        assert 0.3 < share < 0.7, (d, share)
+        assert 0.25 < share < 0.75, (d, len(level), share)

@@ -28,7 +28,9 @@ class BwrapSlot(HostRunSlot):
     def spawn_argv(self, payload: Payload, base: str, workdir: str, ev_fd: int) -> tuple[list[str], dict]:
         python = payload.python or host.host_python()
         args = [host.bwrap(), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-                "--uid", "1000", "--gid", "1000", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+                "--uid", "1000", "--gid", "1000", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr",
+                # /tmp first: an interpreter prefix under /tmp (a checkout in /tmp) is bound over it below
+                "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             p = "/" + top
             if os.path.islink(p):
@@ -40,7 +42,7 @@ class BwrapSlot(HostRunSlot):
                 args += ["--ro-bind", prefix, prefix]
         if os.path.exists("/etc/ld.so.cache"):
             args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--bind", workdir, "/tmp/work"]
+        args += ["--bind", workdir, "/tmp/work"]
         for rel in payload.readonly_files:
             rel = os.path.normpath(rel)
             args += ["--ro-bind", os.path.join(workdir, rel), os.path.join("/tmp/work", rel)]
