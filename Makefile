@@ -21,5 +21,10 @@ run: $(STAMP)
 test: $(STAMP)
 	PREFECT_SERVER_ANALYTICS_ENABLED=false $(PY) -m pytest -q -p no:cacheprovider
 
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.sandbox
+	$(PY) -m bench.train_step
+
 clean:
 	rm -rf .ratchet
