@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import polars as pl
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -51,8 +52,6 @@ def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: N
     session = sessions.open_session(policy, cfg)
     frames = [stages.rollout(session.engine, load_specs(r), policy.run_id, step, policy.version, cfg)
               for r in train]
-    import polars as pl
-
     key = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet"
     return open_store(cfg.store.uri).write_table(key, pl.concat(frames))
 

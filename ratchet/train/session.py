@@ -64,7 +64,6 @@ _LOCK = threading.Lock()
 
 def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,
            ledger: dict | None) -> PolicySession:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     model, tokenizer = load_policy(model_dir)
     model.eval()
     if cfg.train.backend == "deepspeed":
