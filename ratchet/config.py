@@ -144,7 +144,7 @@ class NightlyConfig(Frozen):
     """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
 
     run_id: str | None = Field(None, max_length=128, description="Run id; empty: a timestamped id.")
-    steps: int = Field(80, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
+    steps: int = Field(90, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every N waves (and at the end).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts live.")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="Environment production.")
