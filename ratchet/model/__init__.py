@@ -70,4 +70,18 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    _own_memory(model)
     return model, tokenizer
+
+
+@torch.no_grad()
+def _own_memory(model) -> None:
+    """Copy every weight out of the loaded file into freshly allocated tensors.
+
+    safetensors hands out views at the file's byte offsets (24 mod 64 here), while torch
+    allocates 64-byte-aligned memory; vectorised CPU kernels split reductions by alignment,
+    so the same maths on a loaded model and a built one can differ in the last bit. Owning
+    aligned memory makes a resumed run bit-identical to an uninterrupted one on every CPU.
+    """
+    for t in [*model.parameters(), *model.buffers()]:
+        t.data = t.data.clone()
