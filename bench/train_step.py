@@ -28,7 +28,7 @@ Also measured: the engine's generation tokens/s against `model.generate` on the 
 
 Default reward ("match"): the fraction of the reference solution's lines that the completion
 reproduces in order (a line LCS), a cheap pure function; "tests" runs the hidden tests in
-the sandbox (ratchet.reward.verify.verify_many) for both sides, which adds the same ~constant
+the sandbox (ratchet.verify.verify_many) for both sides, which adds the same ~constant
 sandbox time to both.
 """
 
@@ -69,7 +69,7 @@ def make_reward(tasks, kind: str):
     """reward(task_indices, completions) -> list[float]; the one function both sides call."""
     if kind == "match":
         return lambda idx, comps: [match_reward(c, tasks[i].reference_solution) for i, c in zip(idx, comps)]
-    from ratchet.reward.verify import verify_many
+    from ratchet.verify import verify_many
 
     def tests(idx, comps):
         res = verify_many([(tasks[i], c) for i, c in zip(idx, comps)])

@@ -30,21 +30,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 
 from envs.registry import get_family
 from envs.spec import TaskSpec
-from ratchet.config import EnvsConfig
-
-
-class CleanConfig(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    shingle: int = Field(3, ge=1, le=32, description="Words per shingle for near-duplicate MinHash.")
-    near_dup_threshold: float = Field(0.85, gt=0, le=1, description="Jaccard similarity above which two prompts are near-duplicates.")
-    num_perm: int = Field(128, ge=16, le=512, description="MinHash permutations.")
-    ngram: int = Field(13, ge=1, le=64, description="Words per n-gram for the contamination check.")
-    contamination_threshold: float = Field(0.5, gt=0, le=1, description="Share of a training prompt's n-grams found in held-out prompts that marks it contaminated.")
-    attempts: int = Field(4, ge=1, le=100, description="Generation draws at most attempts x quota indices per difficulty.")
+from ratchet.config import CleanConfig, EnvsConfig
 
 
 @dataclass
@@ -167,17 +157,16 @@ def production_code_hash() -> str:
 def fingerprint(family: str, gen_cfg: BaseModel, cfg: EnvsConfig, c: CleanConfig) -> str:
     blob = json.dumps({"code": family_code_hash(family), "production": production_code_hash(),
                        "generator": gen_cfg.model_dump(mode="json"),
-                       "envs": cfg.model_dump(mode="json", exclude={"families"}),
+                       "envs": cfg.model_dump(mode="json", exclude={"families", "family_config", "clean"}),
                        "clean": c.model_dump(mode="json")}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
 
-def produce(family: str, cfg: EnvsConfig, gen_cfg: BaseModel | None = None,
-            clean: CleanConfig | None = None) -> Production:
-    """Generate, dedup, decontaminate and version one family's train and held-out tasks."""
-    fam = get_family(family)
-    gen_cfg = gen_cfg or fam.config()
-    c = clean or CleanConfig()
+def produce(family: str, cfg: EnvsConfig) -> Production:
+    """Generate, dedup, decontaminate and version one family's train and held-out tasks
+    (generator settings: `cfg.family_config[family]`; filters: `cfg.clean`)."""
+    gen_cfg = cfg.generator_config(family)
+    c = cfg.clean
     version = f"{cfg.version}-{fingerprint(family, gen_cfg, cfg, c)}"
     heldout, held_counts = _generate(family, gen_cfg, cfg, "heldout", cfg.n_heldout, c)
     del held_counts["contaminated"]   # held-out wins: only training tasks are checked against it
@@ -186,7 +175,7 @@ def produce(family: str, cfg: EnvsConfig, gen_cfg: BaseModel | None = None,
     lineage = {
         "family": family, "version": version, "family_code_sha256": family_code_hash(family),
         "production_code_sha256": production_code_hash(),
-        "generator_config": gen_cfg.model_dump(mode="json"), "envs_config": cfg.model_dump(mode="json"),
+        "generator_config": gen_cfg.model_dump(mode="json"), "envs_config": cfg.model_dump(mode="json", exclude={"family_config", "clean"}),
         "clean_config": c.model_dump(mode="json"), "seed": cfg.seed,
         "counts": {"train": train_counts, "heldout": held_counts},
     }

@@ -9,21 +9,47 @@ audit.parquet (every task: verdict, reason, mutation_score, reference_ms), passe
 heldout_passed.parquet (AUDITED_TASK_SCHEMA), quarantine.parquet (every task that did not
 pass, with its reason), regression.parquet (verdicts changed since the previous audited
 version). `envs/<family>/versions.json` lists the versions in the order they were produced.
-Used by the Prefect tasks (tasks/envs.py) and the `ratchet envs import` command alike.
+Used by the Prefect tasks (tasks/produce.py, tasks/audit.py) and `ratchet envs import` alike.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Literal
 
 import polars as pl
 
-from envs.audit import VERDICTS, Verdict, regression
 from envs.production import Production
 from envs.spec import TaskSpec
 from ratchet.data.schemas import AUDITED_TASK_SCHEMA, tasks_frame
 from ratchet.store import ArtifactStore, Ref, store_for
+
+
+VerdictName = Literal["pass", "flaky", "weak_tests", "broken", "trivial_passes", "leaky_tests", "too_slow",
+                      "too_long", "env_error"]
+VERDICTS: tuple[str, ...] = VerdictName.__args__
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The audit's word on one task (`ratchet.audit` says how each verdict is reached)."""
+
+    task_id: str
+    verdict: VerdictName
+    reason: str                       # why; empty when it passed with every probe
+    mutation_score: float | None      # killed / mutants; None when no mutant could be made or run
+    reference_ms: float | None = None
+
+
+def regression(previous: pl.DataFrame, current: pl.DataFrame) -> pl.DataFrame:
+    """Tasks (by task_id, in both audit tables) whose verdict changed: task_id, split, previous,
+    current, reason (the current one)."""
+    prev = previous.select("task_id", pl.col("verdict").alias("previous"))
+    cur = current.select("task_id", "split", pl.col("verdict").alias("current"), "reason")
+    return (cur.join(prev, on="task_id", how="inner")
+            .filter(pl.col("previous") != pl.col("current"))
+            .select("task_id", "split", "previous", "current", "reason"))
 
 
 def prefix(family: str, version: str) -> str:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from prefect import flow
 
-from envs.audit import AuditConfig
-from ratchet.config import EnvsConfig, StoreConfig, VerifyConfig
-from tasks.envs import AuditResult, audit_envs, produce_envs
+from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, VerifyConfig
+from tasks.audit import AuditResult, audit_envs
+from tasks.produce import produce_envs
 
 
 @flow(name="audit_envs", log_prints=True)
-def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), verify: VerifyConfig = VerifyConfig(),
-                    store: StoreConfig = StoreConfig(), audit: AuditConfig = AuditConfig()) -> list[AuditResult]:
-    """Produce each family's snapshot, then audit it in the sandbox."""
+def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), audit: AuditConfig = AuditConfig(),
+                    verify: VerifyConfig = VerifyConfig(), store: StoreConfig = StoreConfig()) -> list[AuditResult]:
+    """Produce each family's snapshot, then audit it in the sandbox. The parameters are the
+    nightly config's own sections (`NightlyConfig.envs/.audit/.verify/.store`): the same
+    values give the same snapshot and the same verdicts as the nightly's audit."""
     snapshots = [produce_envs(family, envs, store) for family in envs.families]
-    return [audit_envs(snapshot, verify, store, audit) for snapshot in snapshots]
+    return [audit_envs(snapshot, audit, verify, store) for snapshot in snapshots]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The nightly training cycle, top to bottom.
 
     produce_envs -> audit_envs -> bootstrap_policy -> evaluate (base)
-    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch (-> checkpoint)] x steps
-    -> checkpoint -> evaluate (final) -> promote -> summary.json
+    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch (-> checkpoint_policy, evaluate)] x steps
+    -> checkpoint_policy -> evaluate (final) -> promote -> summary.json
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
 from the shell:       ratchet run            (or: make run)
@@ -21,10 +21,13 @@ from prefect import flow, get_run_logger
 
 from ratchet.config import NightlyConfig
 from ratchet.store import open_store
-from tasks.envs import audit_envs, produce_envs
+from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, incumbent_pass_rate, promote
-from tasks.policy import bootstrap_policy, checkpoint, rollout_wave, train_epoch
-from tasks.waves import gate_wave, score_wave
+from tasks.gate import gate_wave
+from tasks.produce import produce_envs
+from tasks.rollout import rollout_wave
+from tasks.score import score_wave
+from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 
 
 @flow(name="nightly", log_prints=True)
@@ -35,7 +38,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     run_id = cfg.run_id or datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")
 
     snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
-    audits = [audit_envs(snapshot, cfg.verify, cfg.store) for snapshot in snapshots]
+    audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
     train = [a.passed for a in audits]
     heldout = [a.heldout_passed for a in audits]
 
@@ -53,9 +56,11 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
                     wave_stats["reward_mean"], train_stats.get("train_samples", 0))
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            policy = checkpoint(policy, cfg)
+            policy = checkpoint_policy(policy, cfg)
+        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
+            history[-1]["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
     if policy.checkpoint_version != policy.version:
-        policy = checkpoint(policy, cfg)
+        policy = checkpoint_policy(policy, cfg)
 
     final = evaluate(policy, heldout, cfg)
     incumbent = incumbent_pass_rate(heldout, cfg)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect import flow
 
 from ratchet.config import EnvsConfig, StoreConfig
-from tasks.envs import EnvSnapshot, produce_envs
+from tasks.produce import EnvSnapshot, produce_envs
 
 
 @flow(name="produce_envs", log_prints=True)

@@ -20,9 +20,11 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from envs.cli import app as envs_app, verify_command
+from ratchet.config import NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
+from ratchet.envs_cli import app as envs_app
 from ratchet.sandbox.cli import app as sandbox_app
+from ratchet.verify.cli import verify_command
 
 app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestrated with Prefect.",
                   no_args_is_help=True, add_completion=False)
@@ -36,15 +38,13 @@ SUMMARY_KEYS = ("run_id", "summary", "base_pass_rate", "final_pass_rate", "promo
 
 @app.command()
 def run(
-    steps: Optional[int] = typer.Option(None, help="Rollout waves (default: NightlyConfig.steps)."),
+    steps: Optional[int] = typer.Option(None, help=f"{describe(NightlyConfig, 'steps')} [default: {NightlyConfig().steps}]"),
     run_id: Optional[str] = typer.Option(None, help="Run id; an existing one is resumed from its LATEST checkpoint."),
-    store: Optional[str] = typer.Option(None, help="Artifact store URI (path, file://, s3://bucket/prefix)."),
+    store: Optional[str] = typer.Option(None, help=f"{describe(StoreConfig, 'uri')} [default: {StoreConfig().uri}]"),
     config: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
                                           help="JSON file of NightlyConfig fields (overrides)."),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
-    from ratchet.config import NightlyConfig
-
     fields = json.loads(config.read_text()) if config else {}
     if steps is not None:
         fields["steps"] = steps

@@ -10,15 +10,22 @@ holds only overrides.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ratchet.sandbox.model import Limits
 
 
 class Frozen(BaseModel):
     """Base for every config: immutable, unknown keys are an error."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def describe(section: type[BaseModel], name: str) -> str:
+    """A field's description, for command-line help that says what the Prefect form says."""
+    return section.model_fields[name].description or ""
 
 
 class StoreConfig(Frozen):
@@ -30,15 +37,50 @@ class StoreConfig(Frozen):
     )
 
 
+class CleanConfig(Frozen):
+    shingle: int = Field(3, ge=1, le=32, description="Words per shingle for near-duplicate MinHash.")
+    near_dup_threshold: float = Field(0.85, gt=0, le=1, description="Jaccard similarity above which two prompts are near-duplicates.")
+    num_perm: int = Field(128, ge=16, le=512, description="MinHash permutations.")
+    ngram: int = Field(13, ge=1, le=64, description="Words per n-gram for the contamination check.")
+    contamination_threshold: float = Field(
+        0.5, gt=0, le=1, description="Share of a training prompt's n-grams found in held-out prompts that marks it contaminated."
+    )
+    attempts: int = Field(4, ge=1, le=100, description="Generation draws at most attempts x quota indices per difficulty.")
+
+
 class EnvsConfig(Frozen):
     families: tuple[str, ...] = Field(
         ("python_functions",), description="Environment families to produce and train on."
     )
+    family_config: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description='Generator settings per family, e.g. {"python_functions": {"n_tests": 12}}; each is '
+        "validated against the family's own Config (envs/families/<name>.py). Unset: the family's defaults.",
+    )
+    clean: CleanConfig = Field(default_factory=CleanConfig, description="Dedup, near-dup and contamination filters.")
     n_train: int = Field(3000, ge=1, le=1_000_000, description="Training tasks produced per family.")
     n_heldout: int = Field(300, ge=1, le=100_000, description="Held-out evaluation tasks per family.")
     seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
     version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
     max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
+
+    @field_validator("family_config")
+    @classmethod
+    def _known_settings(cls, value: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        from envs.registry import get_family   # envs imports this module: resolve families at validation
+
+        for name, settings in value.items():
+            try:
+                get_family(name).config.model_validate(settings)
+            except KeyError as e:
+                raise ValueError(str(e).strip("'\"")) from None
+        return value
+
+    def generator_config(self, family: str) -> BaseModel:
+        """The family's generator Config with this run's settings for it."""
+        from envs.registry import get_family
+
+        return get_family(family).config.model_validate(self.family_config.get(family, {}))
 
 
 class ModelConfig(Frozen):
@@ -62,7 +104,6 @@ class ModelConfig(Frozen):
 
 
 class RolloutConfig(Frozen):
-    engine: Literal["torch"] = Field("torch", description="Rollout engine: the in-process torch engine (a vLLM server engine is not built yet).")
     prompts_per_wave: int = Field(64, ge=1, le=65536, description="Distinct prompts sampled in one rollout wave.")
     group_size: int = Field(8, ge=2, le=256, description="Samples per prompt (the GRPO group).")
     max_new_tokens: int = Field(48, ge=1, le=8192, description="Completion length cap, in tokens.")
@@ -111,10 +152,26 @@ class TrainConfig(Frozen):
 
 
 class VerifyConfig(Frozen):
-    timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock limit of one verification run.")
+    timeout_s: float = Field(5.0, gt=0, le=600, description="Wall-clock (and CPU-time) limit of one verification run.")
     memory_mb: int = Field(512, ge=32, le=65536, description="Address-space limit of one verification run.")
     concurrency: int = Field(2, ge=1, le=1024, description="Verification runs in parallel.")
     env_error_retries: int = Field(2, ge=0, le=10, description="Retries of a run that failed for infrastructure reasons.")
+
+    def sandbox_limits(self) -> Limits:
+        """The sandbox limits of one verification run: the only mapping from these settings to the
+        sandbox, used by waves, evaluation, the audit and every command alike."""
+        return Limits(wall_s=self.timeout_s, cpu_s=self.timeout_s, memory_mb=self.memory_mb)
+
+
+class AuditConfig(Frozen):
+    reference_runs: int = Field(3, ge=1, le=10, description="Runs of the reference; every one must pass (else: flaky).")
+    max_mutants: int = Field(8, ge=0, le=200, description="Mutants of the reference tried per task (0: no mutation testing).")
+    max_command_mutants: int = Field(3, ge=0, le=200, description="Mutants per run_command task (each costs a process, e.g. pytest).")
+    mutation_threshold: float = Field(0.8, ge=0, le=1, description="Least fraction of mutants the tests must kill (else: weak_tests).")
+    max_reference_ms: float = Field(2000.0, gt=0, description="Wall-time budget of one reference run (else: too_slow).")
+    max_prompt_chars: int = Field(16000, ge=1, description="Prompt budget in characters (else: too_long).")
+    candidate_wall_s: float = Field(1.0, gt=0, le=600, description="Wall-clock limit of a trivial-answer or mutant run (a mutant that loops is killed).")
+    batch_probes: bool = Field(True, description="Run the extra candidates of a check_calls task together in one sandbox run.")
 
 
 class RewardConfig(Frozen):
@@ -124,7 +181,6 @@ class RewardConfig(Frozen):
         0.0, ge=-10, le=10, description="Reward of a run that raised a security flag (empty: flags do not change the reward)."
     )
     format_weight: float = Field(0.0, ge=0, le=1, description="Weight of format compliance mixed into the reward.")
-    max_env_error_rate: float = Field(0.05, ge=0, le=1, description="A family above this env_error rate is flagged for audit.")
 
 
 class GateConfig(Frozen):
@@ -148,6 +204,7 @@ class NightlyConfig(Frozen):
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every N waves (and at the end).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts live.")
     envs: EnvsConfig = Field(default_factory=EnvsConfig, description="Environment production.")
+    audit: AuditConfig = Field(default_factory=AuditConfig, description="Environment quality audit.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
     rl: RLConfig = Field(default_factory=RLConfig, description="Advantages and losses.")

@@ -1,28 +1,20 @@
 """The nightly cycle's stages as plain functions: what each Prefect task in `tasks/` calls.
 
 Every function here takes frames, specs and configs and returns frames or plain values;
-none touches Prefect or the store. Read a nightly run from
-`flows/nightly.py` (the order), through `tasks/` (load, call one of these, save), to here.
+none touches Prefect or the store. Read a nightly run from `flows/nightly.py` (the order),
+through `tasks/` (load, call one of these, save), to here.
 """
 
 from __future__ import annotations
 
 import polars as pl
-import torch
 
 from envs.registry import get_family
-from envs.runtime import resolve
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
-from ratchet.rl import TOKEN_LEVEL_ESTIMATORS, compute_advantages, zero_variance_groups
 from ratchet.rollout.wave import pick_tasks, wave_frame
-from ratchet.reward.verify import verify_many
-from ratchet.sandbox import Limits
-from ratchet.train.torch_trainer import TrainSample
-
-
-def limits(cfg: NightlyConfig) -> Limits:
-    return Limits(wall_s=cfg.verify.timeout_s, cpu_s=cfg.verify.timeout_s, memory_mb=cfg.verify.memory_mb)
+from ratchet.train.batching import TrainSample
+from ratchet.verify import verify_many
 
 
 def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
@@ -39,8 +31,7 @@ def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int,
 def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:
     """Fill `metrics`, `env_error`, `env_error_kind` by running every completion in the sandbox."""
     items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
-    results = verify_many(items, limits(cfg), cfg.verify.concurrency, cfg.verify.env_error_retries,
-                          runtime_python=resolve)
+    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries)
     metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
     return frame.with_columns(
         metrics,
@@ -49,43 +40,42 @@ def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: Nig
     )
 
 
-def advantages(frame: pl.DataFrame, cfg: NightlyConfig) -> tuple[pl.DataFrame, dict]:
-    """Group advantages by the configured estimator. Groups with an env_error row, and (with
-    dynamic sampling) groups whose rewards are all equal, get a null advantage: not trained on."""
-    G = cfg.rollout.group_size
-    frame = frame.sort(["group_id", "sample_idx"])
-    broken = frame.group_by("group_id").agg(bad=pl.col("env_error").any() | (pl.len() != G))
-    ok = frame.join(broken, on="group_id").filter(~pl.col("bad"))["group_id"].unique(maintain_order=True)
-    sub = frame.filter(pl.col("group_id").is_in(ok.implode()))
-    stats = {"groups": frame["group_id"].n_unique(), "groups_env_error": frame["group_id"].n_unique() - len(ok)}
-    if sub.height == 0 or cfg.rl.estimator in TOKEN_LEVEL_ESTIMATORS:
-        stats["groups_zero_variance"] = 0
-        return frame.with_columns(pl.lit(None, pl.Float64).alias("advantage")), stats
-    rewards = torch.tensor(sub["reward"].to_list(), dtype=torch.float64)            # [B*G]
-    adv = compute_advantages(cfg.rl.estimator, rewards, G)                          # [B*G]
-    if cfg.rl.drop_zero_variance:
-        flat = zero_variance_groups(rewards, G).repeat_interleave(G)                # [B*G]
-        adv = torch.where(flat, torch.full_like(adv, float("nan")), adv)
-        stats["groups_zero_variance"] = int(flat.sum()) // G
-    scored = sub.with_columns(pl.Series("advantage", adv.tolist(), dtype=pl.Float64).fill_nan(None))
-    out = frame.drop("advantage").join(scored.select("group_id", "sample_idx", "advantage"),
-                                       on=["group_id", "sample_idx"], how="left")
-    return out.select(frame.columns), stats
+def _complete_groups(frame: pl.DataFrame, group_size: int) -> pl.Series:
+    """Groups whose every one of `group_size` rows was verified and scored (no env_error)."""
+    ok = frame.group_by("group_id", maintain_order=True).agg(
+        good=~pl.col("env_error").any() & pl.col("reward").is_not_null().all() & (pl.len() == group_size))
+    return ok.filter(pl.col("good"))["group_id"]
 
 
-def train_samples(frame: pl.DataFrame, encode_prompts, estimator: str) -> list[TrainSample]:
-    """The rows a trainer learns from: scored, not env_error, with an advantage (token-level
-    estimators such as GAE compute theirs in the trainer, from the reward)."""
-    usable = frame.filter(~pl.col("env_error") & pl.col("reward").is_not_null())
-    if estimator not in TOKEN_LEVEL_ESTIMATORS:
-        usable = usable.filter(pl.col("advantage").is_not_null())
+def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
+    """How many groups a scored wave has, how many an env_error (or a missing row) excludes, and
+    how many of the rest have rewards all equal (no outcome-level signal)."""
+    complete = frame.filter(pl.col("group_id").is_in(_complete_groups(frame, cfg.rollout.group_size).implode()))
+    equal = complete.group_by("group_id").agg(pl.col("reward").n_unique() == 1)["reward"].sum()
+    groups = frame["group_id"].n_unique()
+    return {"groups": groups, "groups_env_error": groups - complete["group_id"].n_unique(),
+            "groups_zero_variance": int(equal or 0)}
+
+
+def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:
+    """The rows a trainer may learn from: whole groups, every row verified and scored. Their
+    advantages are set by `Trainer.assign_advantages` (which also drops zero-variance groups)."""
+    indexed = frame.with_row_index("_row")
+    usable = indexed.filter(pl.col("group_id").is_in(_complete_groups(frame, cfg.rollout.group_size).implode()))
     if usable.height == 0:
         return []
     prompt_ids = encode_prompts(usable["prompt"].to_list())
-    out = []
-    for ids, row in zip(prompt_ids, usable.iter_rows(named=True)):
-        adv = row["advantage"] if row["advantage"] is not None else 0.0
-        out.append(TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], adv, row["group_id"],
-                               reward=row["reward"]))
-    return out
+    return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
+                        reward=row["reward"], row=row["_row"])
+            for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
 
+
+def with_advantages(frame: pl.DataFrame, samples: list[TrainSample]) -> pl.DataFrame:
+    """`frame` with the advantages the trainer will use: `advantage` (group estimators) and
+    `token_advantages` (GAE) of the trained rows; null on rows that are not trained on."""
+    adv: list[float | None] = [None] * frame.height
+    tokens: list[list[float] | None] = [None] * frame.height
+    for s in samples:
+        adv[s.row], tokens[s.row] = s.advantage, s.token_advantages
+    return frame.with_columns(pl.Series("advantage", adv, dtype=pl.Float64),
+                              pl.Series("token_advantages", tokens, dtype=pl.List(pl.Float64)))

@@ -9,7 +9,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from envs.snapshot import load_specs
-from ratchet import stages
 from ratchet.config import NightlyConfig
 from ratchet.eval import evaluate as evaluate_policy
 from ratchet.eval import should_promote
@@ -23,8 +22,7 @@ INCUMBENT = "models/promoted/INCUMBENT"
 
 def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
     specs = [s for r in heldout for s in load_specs(r)][: cfg.eval.n_tasks]
-    return evaluate_policy(engine, specs, stages.limits(cfg), cfg.rollout.max_new_tokens,
-                           cfg.rollout.batch_size, cfg.verify.concurrency)
+    return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size)
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)

@@ -28,6 +28,30 @@ def test_core_never_imports_prefect(package):
     assert offenders == [], f"{package}/ must not import prefect: {offenders}"
 
 
+def _modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function, in full (`ratchet.reward.frame`)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+ABOVE_ENVS = ("ratchet.reward", "ratchet.train", "ratchet.rollout", "ratchet.eval", "ratchet.verify",
+              "ratchet.audit", "ratchet.stages", "tasks", "flows")
+
+
+def test_envs_is_a_lower_floor():
+    """envs/ defines, generates and snapshots tasks; judging them (verify, audit), rewards, training,
+    rollout and evaluation sit above it and are never imported from it, not even inside a function."""
+    offenders = {str(p.relative_to(ROOT)): sorted(m for m in _modules(p) if m.startswith(ABOVE_ENVS))
+                 for p in (ROOT / "envs").rglob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
 def test_cli_reaches_prefect_only_lazily():
     tree = ast.parse((ROOT / "ratchet" / "cli.py").read_text())
     top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]

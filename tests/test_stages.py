@@ -1,12 +1,16 @@
-"""The stage functions the nightly tasks call: advantages with env_error and zero-variance groups."""
+"""The stage functions the nightly tasks call: which groups train, and the advantages they train
+on (computed once, by the trainer, for every estimator), by hand."""
 
 import math
 
 import polars as pl
+import pytest
 
-from ratchet.config import NightlyConfig, RLConfig, RolloutConfig
+from ratchet.config import NightlyConfig, RLConfig, RolloutConfig, TrainConfig
 from ratchet.data.schemas import trajectories_frame
-from ratchet.stages import advantages, train_samples
+from ratchet.stages import group_stats, train_samples, with_advantages
+from ratchet.train.torch_trainer import TorchTrainer
+from tests.train import tiny
 
 
 def _wave(rewards: dict[str, list[float | None]]) -> pl.DataFrame:
@@ -20,28 +24,49 @@ def _wave(rewards: dict[str, list[float | None]]) -> pl.DataFrame:
     return trajectories_frame(rows)
 
 
-CFG = NightlyConfig(rollout=RolloutConfig(group_size=2), rl=RLConfig(estimator="grpo"))
+WAVE = {"a": [1.0, 0.0], "b": [0.5, 0.5], "c": [1.0, None]}
+
+
+def _cfg(estimator: str = "grpo") -> NightlyConfig:
+    return NightlyConfig(rollout=RolloutConfig(group_size=2), rl=RLConfig(estimator=estimator))
+
+
+def _advantages(frame: pl.DataFrame, cfg: NightlyConfig) -> pl.DataFrame:
+    trainer = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), cfg.rl)
+    samples = trainer.assign_advantages(train_samples(frame, lambda ps: [[1, 2] for _ in ps], cfg))
+    return with_advantages(frame, samples)
+
+
+def test_group_stats_count_excluded_and_equal_reward_groups():
+    assert group_stats(_wave(WAVE), _cfg()) == {"groups": 3, "groups_env_error": 1, "groups_zero_variance": 1}
+
+
+def test_only_whole_verified_groups_are_trainable():
+    samples = train_samples(_wave(WAVE), lambda ps: [[1, 2] for _ in ps], _cfg())
+    assert sorted(s.group for s in samples) == ["a", "a", "b", "b"]          # c has an env_error row
+    assert [s.row for s in samples] == [0, 1, 2, 3] and all(s.advantage is None for s in samples)
 
 
 def test_grpo_advantages_by_hand_and_excluded_groups():
-    frame, stats = advantages(_wave({"a": [1.0, 0.0], "b": [0.5, 0.5], "c": [1.0, None]}), CFG)
+    frame = _advantages(_wave(WAVE), _cfg())
     adv = dict(zip(zip(frame["group_id"], frame["sample_idx"]), frame["advantage"]))
     # group a: mean 0.5, sample std sqrt(0.5) = 0.7071 -> (1 - 0.5) / 0.7071 = +0.7071
     assert math.isclose(adv[("a", 0)], 0.5 / math.sqrt(0.5), rel_tol=1e-5)
     assert math.isclose(adv[("a", 1)], -0.5 / math.sqrt(0.5), rel_tol=1e-5)
     assert adv[("b", 0)] is None and adv[("b", 1)] is None      # zero variance: dropped
     assert adv[("c", 0)] is None and adv[("c", 1)] is None      # an env_error row: the whole group out
-    assert stats == {"groups": 3, "groups_env_error": 1, "groups_zero_variance": 1}
 
 
 def test_rloo_by_hand():
-    cfg = NightlyConfig(rollout=RolloutConfig(group_size=2), rl=RLConfig(estimator="rloo"))
-    frame, _ = advantages(_wave({"a": [1.0, 0.0]}), cfg)
+    frame = _advantages(_wave({"a": [1.0, 0.0]}), _cfg("rloo"))
     assert frame.sort("sample_idx")["advantage"].to_list() == [1.0, -1.0]   # r_i - mean of the others
 
 
-def test_only_rows_with_an_advantage_are_trained_on():
-    frame, _ = advantages(_wave({"a": [1.0, 0.0], "b": [0.5, 0.5], "c": [1.0, None]}), CFG)
-    samples = train_samples(frame, lambda prompts: [[1, 2] for _ in prompts], "grpo")
-    assert sorted(s.group for s in samples) == ["a", "a"]
-    assert all(s.reward is not None for s in samples)
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_gae_fills_token_advantages_not_the_scalar(estimator):
+    frame = _advantages(_wave({"a": [1.0, 0.0]}), _cfg(estimator))
+    if estimator == "gae":
+        assert frame["advantage"].to_list() == [None, None]
+        assert [len(t) for t in frame["token_advantages"].to_list()] == [1, 1]   # one per completion token
+    else:
+        assert frame["token_advantages"].to_list() == [None, None]

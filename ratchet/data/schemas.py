@@ -6,7 +6,7 @@ Two tables cross stage boundaries as Parquet in the store:
   task spec, the full spec as JSON in `spec_json`, audit verdicts once audited;
 - the trajectory table (`runs/<run_id>/waves/<step>/trajectories.parquet`): one row per
   sampled attempt (DESIGN.md, "Trajectory row"), metrics from verification, reward and
-  advantage once scored.
+  advantages once trained on.
 
     frame = trajectories_frame(rows)            # list[dict] -> typed frame, or one clear error
     frame = conform(pl.read_parquet(p), TRAJECTORY_SCHEMA)
@@ -103,11 +103,13 @@ TRAJECTORY_SCHEMA = pl.Schema(
         "reward": pl.Float64,             # null until scored
         "env_error": pl.Boolean,          # infrastructure failure: excluded, never scored as the model's
         "env_error_kind": pl.String,
-        "advantage": pl.Float64,          # null until advantages are computed
+        "advantage": pl.Float64,          # set by the training stage on the rows it trains on (group estimators)
+        "token_advantages": pl.List(pl.Float64),  # [completion_tokens], likewise, for GAE
     }
 )
 
-TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "metrics", "reward", "env_error_kind", "advantage"})
+TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "metrics", "reward", "env_error_kind", "advantage",
+                                 "token_advantages"})
 """Columns that may be null (or absent from the row dicts); all others are required."""
 
 _STRUCT_FIELDS = {"metrics": set(METRICS.to_schema()), "turns": {"role", "content"}}

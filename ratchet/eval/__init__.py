@@ -1,9 +1,10 @@
 """Held-out evaluation and the promotion rule.
 
-    result = evaluate(engine, heldout_specs, limits, max_new_tokens=48)   # pass@1, greedy
+    result = evaluate(engine, heldout_specs, cfg.verify, max_new_tokens=48)   # pass@1, greedy
     promote, why = should_promote(result.pass_rate, incumbent=0.21, min_gain=0.0)
 
-pass@1 counts a task as solved when its greedy completion passes every hidden test.
+pass@1 counts a task as solved when its greedy completion passed (`Verification.passed`, the
+verifier's one definition, the audit's too: every hidden test, within the time limit).
 Tasks whose verification hit an infrastructure error are excluded from the denominator
 (and counted), never scored as failures.
 """
@@ -15,10 +16,9 @@ from typing import Sequence
 
 import polars as pl
 
-from envs.runtime import resolve
 from envs.spec import TaskSpec
-from ratchet.reward.verify import verify_many
-from ratchet.sandbox import Limits
+from ratchet.config import VerifyConfig
+from ratchet.verify import verify_many
 
 
 @dataclass
@@ -30,18 +30,19 @@ class EvalResult:
     rows: pl.DataFrame | None = None
 
 
-def evaluate(engine, specs: Sequence[TaskSpec], limits: Limits | None = None, max_new_tokens: int = 48,
-             batch_size: int = 128, concurrency: int | None = None) -> EvalResult:
+def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyConfig(), max_new_tokens: int = 48,
+             batch_size: int = 128) -> EvalResult:
+    """Greedy pass@1 of `engine` on `specs`, verified as training verifies (same limits, retries)."""
     rollouts = engine.generate([s.prompt for s in specs], n=1, max_new_tokens=max_new_tokens,
                                greedy=True, batch_size=batch_size)
-    results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], limits, concurrency,
-                          runtime_python=resolve)
+    results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], verify.sandbox_limits(),
+                          verify.concurrency, verify.env_error_retries)
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in specs],
         "difficulty": [s.difficulty for s in specs],
         "completion": [r.text for r in rollouts],
         "env_error": [v.env_error for v in results],
-        "passed": [bool(not v.env_error and v.metrics["test_pass_rate"] == 1.0) for v in results],
+        "passed": [v.passed for v in results],
     })
     scored = rows.filter(~pl.col("env_error"))
     by_d = scored.group_by("difficulty").agg(pl.col("passed").mean()).sort("difficulty")

@@ -1,7 +1,6 @@
-"""Rewards for a whole wave (a TRAJECTORY_SCHEMA frame), and the env_error report per family.
+"""Rewards for a whole wave (a TRAJECTORY_SCHEMA frame).
 
     scored = score_frame(wave, {s.task_id: s.reward_logic for s in specs}, cfg.reward)
-    report = env_error_report(scored, cfg.reward)   # {"families": {...}, "flagged": [...], ...}
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -14,7 +13,7 @@ import polars as pl
 from envs.spec import RewardLogic
 from ratchet.config import RewardConfig
 from ratchet.reward.metrics import validate_logic
-from ratchet.reward.score import score
+from ratchet.reward.composite import score
 
 
 def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None:
@@ -41,33 +40,3 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
     rows = frame.select("task_id", "completion", "metrics", "env_error").to_dicts()
     rewards = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
-
-
-def _kind(message: str) -> str:
-    """The kind of an env_error_kind such as "sandbox: worker died" -> "sandbox"."""
-    return message.split(":", 1)[0].strip() or "unknown"
-
-
-def env_error_report(frame: pl.DataFrame, cfg: RewardConfig) -> dict:
-    """env_error rate per family; a family with rate > cfg.max_env_error_rate is flagged for audit.
-
-    {"rows": n, "env_errors": k, "rate": k/n, "threshold": t, "flagged": [family, ...],
-     "families": {family: {"rows", "env_errors", "rate", "flagged", "kinds": {kind: count}}}}
-    """
-    errs = frame.select("family", pl.col("env_error").fill_null(False), "env_error_kind")
-    families = {}
-    for (family,), part in sorted(errs.group_by("family"), key=lambda kv: str(kv[0][0])):
-        bad = part.filter(pl.col("env_error"))
-        rate = bad.height / part.height
-        kinds = bad["env_error_kind"].fill_null("unknown").map_elements(_kind, return_dtype=pl.String).value_counts(sort=True)
-        families[family] = {
-            "rows": part.height, "env_errors": bad.height, "rate": rate,
-            "flagged": rate > cfg.max_env_error_rate,
-            "kinds": dict(zip(kinds["env_error_kind"].to_list(), kinds["count"].to_list())),
-        }
-    n, k = errs.height, int(errs["env_error"].sum())
-    return {
-        "rows": n, "env_errors": k, "rate": k / n if n else 0.0, "threshold": cfg.max_env_error_rate,
-        "flagged": [f for f, v in families.items() if v["flagged"]],
-        "families": families,
-    }

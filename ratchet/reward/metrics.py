@@ -20,9 +20,9 @@ Security flags come from the sandbox's events and from the verifier. Some are wh
 runtimes do (pytest spawns processes and writes caches outside the workdir) and are only
 reported; the others are penalised (`FLAGS`; a flag not registered there is penalised).
 
-Each metric also belongs to a reward dimension (completion, format, security, efficiency),
-reported as components by `ratchet.reward.score.score_components`. A new metric is one
-`register_metric(...)` line.
+Each metric also belongs to a reward dimension (completion, format, security, efficiency);
+`ratchet.reward.composite` scores efficiency and security rules 0 when no test passed. A new
+metric is one `register_metric(...)` line.
 """
 
 from __future__ import annotations

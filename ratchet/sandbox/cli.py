@@ -11,20 +11,25 @@ from pathlib import Path
 
 import typer
 
+from ratchet.config import VerifyConfig, describe
+
 app = typer.Typer(help="Run untrusted Python in ratchet's sandbox.", no_args_is_help=True)
 
 
 @app.command()
 def run(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Python file to run as the main program."),
-    timeout: float = typer.Option(5.0, "--timeout", help="Wall-clock limit in seconds."),
-    memory_mb: int = typer.Option(512, "--memory-mb", help="Memory limit in MiB."),
+    timeout: float = typer.Option(VerifyConfig().timeout_s, "--timeout", help=describe(VerifyConfig, "timeout_s")),
+    memory_mb: int = typer.Option(VerifyConfig().memory_mb, "--memory-mb", help=describe(VerifyConfig, "memory_mb")),
     backend: str = typer.Option("auto", "--backend", help="zygote | bwrap | subprocess | auto."),
     as_json: bool = typer.Option(False, "--json", help="Print the full result as JSON."),
 ) -> None:
     """Run FILE in the sandbox and print its result; exits with the payload's exit code."""
-    from . import Limits, Payload, Sandbox
-    limits = Limits(wall_s=timeout, memory_mb=memory_mb, cpu_s=max(timeout, 0.1))
+    from . import Payload, Sandbox
+    try:
+        limits = VerifyConfig(timeout_s=timeout, memory_mb=memory_mb).sandbox_limits()
+    except ValueError as e:
+        raise typer.BadParameter(str(e).splitlines()[-1]) from None
     stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
     with Sandbox(limits, backend=backend, concurrency=1) as sb:
         res = sb.run(Payload(code=file.read_text(), stdin=stdin))

@@ -1,21 +1,31 @@
-"""What every trainer backend shares: the sample type, packing, the loss, the wave loop, resume state.
+"""What every trainer backend shares: advantages, the wave loop, the loss, resume state.
 
     trainer = TorchTrainer(model, pad_id, cfg.train, cfg.rl)       # or DeepSpeedTrainer, same signature
+    samples = trainer.assign_advantages(samples)                   # computed once: what is stored is what trains
     metrics = trainer.train_wave(samples)                          # samples: list[TrainSample]
     state = trainer.state_dict(); ...; trainer.load_state_dict(state)
+
+Advantages are computed in one place, `assign_advantages`, for every estimator: the group
+estimators of `ratchet.rl.advantages` from the rewards (less the KL penalty with
+`kl_in_reward`, which needs the reference model) and PPO's GAE over the value head. The
+nightly stores what it returns next to the wave (`trained.parquet`) before training on it.
 
 A wave is split into minibatches of `minibatch_prompts` groups; each minibatch is seen
 `updates_per_batch` times (PPO epochs), one optimizer step each. A minibatch is cut into
 micro-batches packed by token budget (dynamic batching); the loss is normalised over the
 whole minibatch (`denom`), so accumulation gives the same gradient as one big batch.
-Importance ratios are taken against the behaviour log-probs recorded by the rollout engine.
+
+Importance sampling (decoupled PPO, Hilton et al. 2021, arXiv:2110.00641): the PPO ratio is
+taken against the proximal policy pi_old, the weights at the start of the minibatch (their
+log-probs are the first pass's, detached, so they cost no extra forward); the gap between
+pi_old and the behaviour policy that sampled the wave (the engine's log-probs) is corrected
+per token by the truncated weight min(pi_old / pi_behav, `is_cap`).
 
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
 forwarded at all; they still count in the normaliser, so the gradient does not change.
 
 A backend (torch_trainer.py, deepspeed_trainer.py) only says how to build the optimizer, run
-the forward, backward and optimizer step, and save/load optimizer state: the loss, the
-advantages for PPO (GAE over a value head) and the KL-in-reward path live here, once.
+the forward, backward and optimizer step, and save/load optimizer state.
 """
 
 from __future__ import annotations
@@ -24,10 +34,10 @@ import copy
 import math
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ratchet.config import RLConfig, TrainConfig
 from ratchet.rl import (
@@ -40,119 +50,15 @@ from ratchet.rl import (
     policy_loss,
     value_loss,
 )
-
-
-@dataclass
-class TrainSample:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    behavior_logprobs: list[float]   # one per completion token, from the rollout engine
-    advantage: float                 # outcome-level estimators; ignored by "gae"
-    group: str                       # prompt group id (whole groups stay in one minibatch)
-    reward: float | None = None      # needed by "gae" and by kl_in_reward (advantages recomputed here)
-
-
-def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
-    """Greedy packing by padded size: rows * longest row <= budget (at least one row each)."""
-    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-    batches: list[list[TrainSample]] = []
-    current: list[TrainSample] = []
-    for s in ordered:
-        length = len(s.prompt_ids) + len(s.completion_ids)
-        if current and (len(current) + 1) * length > budget:
-            batches.append(current)
-            current = []
-        current.append(s)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def collate(samples: list[TrainSample], pad_id: int):
-    """Right-padded ids [N, L], attention [N, L]; completion-aligned mask/behaviour [N, L-1], adv [N]."""
-    L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    N = len(samples)
-    ids = torch.full((N, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((N, L), dtype=torch.long)
-    mask = torch.zeros((N, L - 1))
-    behavior = torch.zeros((N, L - 1))
-    for b, s in enumerate(samples):
-        p, c = len(s.prompt_ids), len(s.completion_ids)
-        ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
-        attn[b, :p + c] = 1
-        mask[b, p - 1:p + c - 1] = 1                       # position t predicts token t+1
-        behavior[b, p - 1:p + c - 1] = torch.tensor(s.behavior_logprobs)
-    adv = torch.tensor([s.advantage for s in samples])     # [N]
-    return ids, attn, mask, behavior, adv
-
-
-def pack_by_prompt(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
-    """Whole prompt groups per micro-batch, padded cost (prompts * P + rows * C) <= budget
-    (a group larger than the budget is split; its prompt is then forwarded once per piece)."""
-    groups: dict[tuple[int, ...], list[TrainSample]] = {}
-    for s in samples:
-        groups.setdefault(tuple(s.prompt_ids), []).append(s)
-    ordered = sorted(groups.values(), key=lambda g: len(g[0].prompt_ids) + max(len(s.completion_ids) for s in g))
-    batches: list[list[TrainSample]] = []
-    current: list[TrainSample] = []
-    n_prompts, P, C = 0, 0, 0
-    for g in ordered:
-        for s in sorted(g, key=lambda s: len(s.completion_ids)):
-            new_prompt = not current or current[-1].prompt_ids != s.prompt_ids
-            p, c = max(P, len(s.prompt_ids)), max(C, len(s.completion_ids))
-            if current and (n_prompts + new_prompt) * p + (len(current) + 1) * c > budget:
-                batches.append(current)
-                current, n_prompts, new_prompt, p, c = [], 0, True, len(s.prompt_ids), len(s.completion_ids)
-            current.append(s)
-            n_prompts, P, C = n_prompts + new_prompt, p, c
-    if current:
-        batches.append(current)
-    return batches
-
-
-def collate_shared(samples: list[TrainSample], pad_id: int):
-    """Prompt-shared layout: unique prompts left-padded [U, P] (+ attention), the row -> prompt
-    index [N], completions right-padded [N, C] (+ attention = loss mask), behaviour [N, C], adv [N]."""
-    prompts: dict[tuple[int, ...], int] = {}
-    index = [prompts.setdefault(tuple(s.prompt_ids), len(prompts)) for s in samples]
-    U, P = len(prompts), max(len(p) for p in prompts)
-    N, C = len(samples), max(len(s.completion_ids) for s in samples)
-    prompt_ids = torch.full((U, P), pad_id, dtype=torch.long)
-    prompt_attn = torch.zeros((U, P), dtype=torch.long)
-    for p, u in prompts.items():
-        prompt_ids[u, P - len(p):] = torch.tensor(p)
-        prompt_attn[u, P - len(p):] = 1
-    comp_ids = torch.full((N, C), pad_id, dtype=torch.long)
-    comp_attn = torch.zeros((N, C), dtype=torch.long)
-    behavior = torch.zeros((N, C))
-    for b, s in enumerate(samples):
-        c = len(s.completion_ids)
-        comp_ids[b, :c] = torch.tensor(s.completion_ids)
-        comp_attn[b, :c] = 1
-        behavior[b, :c] = torch.tensor(s.behavior_logprobs)
-    adv = torch.tensor([s.advantage for s in samples])                     # [N]
-    return prompt_ids, prompt_attn, torch.tensor(index), comp_ids, comp_attn, behavior, adv
-
-
-def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int) -> Tensor:
-    """Per-sample completion vectors ([c] each) -> [N, width] aligned like `collate`'s mask."""
-    out = torch.zeros((len(samples), width))
-    for b, (s, v) in enumerate(zip(samples, values)):
-        p = len(s.prompt_ids)
-        out[b, p - 1:p - 1 + v.numel()] = v
-    return out
-
-
-def logprobs_from_logits(logits: Tensor, ids: Tensor, temperature: float = 1.0, with_entropy: bool = False):
-    """logits [N, L, V] of ids [N, L] -> log-prob of each next token [N, L-1] (and entropy [N, L-1])."""
-    z = logits[:, :-1].float() / temperature                                    # [N, L-1, V]
-    logp = torch.log_softmax(z, dim=-1).gather(2, ids[:, 1:, None]).squeeze(2)  # [N, L-1]
-    return logp, (entropy_from_logits(z) if with_entropy else None)
-
-
-def token_logprobs(model, ids, attn, temperature: float = 1.0, with_entropy: bool = False):
-    """Log-prob of each next token [N, L-1] (and entropy [N, L-1]) under a plain causal LM."""
-    return logprobs_from_logits(model(input_ids=ids, attention_mask=attn).logits, ids, temperature, with_entropy)
+from ratchet.train.batching import (
+    TrainSample,
+    collate,
+    collate_shared,
+    pack_by_prompt,
+    pack_by_tokens,
+    place_tokens,
+)
+from ratchet.train.policy import PolicyWithValue, ValueHead, logprobs_from_logits, token_logprobs
 
 
 def lr_factor(step: int, warmup: int, schedule: str = "constant", decay_steps: int = 0, min_ratio: float = 0.0) -> float:
@@ -167,57 +73,6 @@ def lr_factor(step: int, warmup: int, schedule: str = "constant", decay_steps: i
 
 
 SUMMED_METRICS = ("pg_loss", "value_loss")  # micro-batch values add up to the minibatch's
-
-
-class ValueHead(nn.Module):
-    """PPO's critic: a 2-layer MLP on the policy's last hidden state -> V(s_t) per position.
-
-    It reads the hidden state detached: the value loss trains the head only and never moves
-    the policy's features (a separate critic, as in Ziegler et al. 2019, arXiv:1909.08593,
-    at the cost of a head-sized network). The last layer starts at zero, so V = 0 at first.
-    """
-
-    def __init__(self, hidden_size: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, 1))
-        nn.init.zeros_(self.net[2].weight)
-        nn.init.zeros_(self.net[2].bias)
-
-    def forward(self, hidden: Tensor) -> Tensor:
-        return self.net(hidden.detach().to(self.net[0].weight.dtype)).float().squeeze(-1)  # [N, L, H] -> [N, L]
-
-
-class PolicyWithValue(nn.Module):
-    """The policy and (for "gae") its value head as one module: one optimizer, one ZeRO engine."""
-
-    def __init__(self, policy: nn.Module, value_head: ValueHead | None):
-        super().__init__()
-        self.policy, self.value_head = policy, value_head
-
-    def forward(self, ids: Tensor, attn: Tensor, with_values: bool = False, shared: tuple | None = None):
-        if shared is not None:
-            return self.forward_shared(ids, attn, *shared), None
-        with_values = with_values and self.value_head is not None
-        out = self.policy(input_ids=ids, attention_mask=attn, output_hidden_states=with_values)
-        values = self.value_head(out.hidden_states[-1]) if with_values else None  # [N, L]
-        return out.logits, values                                                  # [N, L, V]
-
-    def forward_shared(self, prompt_ids: Tensor, prompt_attn: Tensor, index: Tensor, comp_ids: Tensor,
-                       comp_attn: Tensor) -> Tensor:
-        """Completion-aligned logits [N, C, V]: each distinct prompt is forwarded once and its KV
-        cache (with gradients) is shared by every row of its group; the gradient is the one of
-        the plain [N, P + C] forward, without recomputing the prompt G times."""
-        pos = (prompt_attn.cumsum(-1) - 1).clamp(min=0)                                    # [U, P]
-        out = self.policy(input_ids=prompt_ids, attention_mask=prompt_attn, position_ids=pos,
-                          use_cache=True, logits_to_keep=1)
-        cache = out.cache
-        cache.batch_select_indices(index)                                                  # U -> N rows
-        attn = torch.cat([prompt_attn[index], comp_attn], dim=1)                           # [N, P + C]
-        pos_c = pos[index, -1:] + 1 + torch.arange(comp_ids.shape[1], device=pos.device)   # [N, C]
-        out_c = self.policy(input_ids=comp_ids, attention_mask=attn, position_ids=pos_c,
-                            cache=cache, use_cache=True)
-        # completion token j is predicted at the last prompt position (j = 0) or at completion j - 1
-        return torch.cat([out.logits[index, -1:], out_c.logits[:, :-1]], dim=1)           # [N, C, V]
 
 
 class Trainer(ABC):
@@ -265,13 +120,86 @@ class Trainer(ABC):
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _value_head_module(self) -> nn.Module | None:
+    def _value_head_module(self) -> torch.nn.Module | None:
         return self.module.value_head
+
+    # -- advantages: computed once, here, for every estimator --
+    @torch.no_grad()
+    def assign_advantages(self, samples: list[TrainSample]) -> list[TrainSample]:
+        """The samples this wave trains on, each with the advantage the loss will use.
+
+        Group estimators: per prompt group, from the rewards (minus kl_coef * sum_t KL_t with
+        kl_in_reward); with drop_zero_variance a group whose rewards are all equal is dropped
+        (its advantages are 0: no policy gradient). GAE: per token, over the value head's V(s_t)
+        before this epoch, whitened over the wave, with the returns and old values of the value loss.
+        """
+        if any(s.reward is None for s in samples):
+            raise ValueError("assign_advantages: every sample needs its reward")
+        if not samples:
+            return []
+        kl_reward = self.rl.kl_in_reward and self.ref_model is not None
+        self.module.eval()
+        if self.ppo:
+            return self._gae_advantages(samples, kl_reward)
+        groups: dict[str, list[TrainSample]] = {}
+        for s in samples:
+            groups.setdefault(s.group, []).append(s)
+        if self.rl.drop_zero_variance:
+            groups = {g: rows for g, rows in groups.items() if len({s.reward for s in rows}) > 1}
+        kept = [s for rows in groups.values() for s in rows]
+        rewards = self._token_pass(kept, kl_reward) if kl_reward else {id(s): s.reward for s in kept}
+        by_size: dict[int, list[list[TrainSample]]] = {}
+        for rows in groups.values():
+            by_size.setdefault(len(rows), []).append(rows)
+        out: dict[int, float] = {}
+        for size, batch in by_size.items():   # one vectorised call per group size
+            flat = [s for rows in batch for s in rows]
+            adv = compute_advantages(self.rl.estimator, torch.tensor([float(rewards[id(s)]) for s in flat]), size)
+            out.update({id(s): float(a) for s, a in zip(flat, adv)})                      # [B*G]
+        return [replace(s, advantage=out[id(s)]) for s in kept]
+
+    def _gae_advantages(self, samples: list[TrainSample], kl_reward: bool) -> list[TrainSample]:
+        per_sample = self._token_pass(samples, kl_reward, values=True)   # id -> (adv [c], returns [c], values [c])
+        flat = torch.cat([per_sample[id(s)][0] for s in samples])                             # [sum c]
+        white = masked_whiten(flat[None], torch.ones_like(flat)[None])[0]                    # PPO: over the wave's tokens
+        out, pos = [], 0
+        for s in samples:
+            adv, ret, val = per_sample[id(s)]
+            out.append(replace(s, advantage=None, token_advantages=white[pos:pos + adv.numel()].tolist(),
+                               returns=ret.tolist(), old_values=val.tolist()))
+            pos += adv.numel()
+        return out
+
+    def _token_pass(self, samples: list[TrainSample], kl_reward: bool, values: bool = False) -> dict:
+        """One no-grad pass over the samples: KL-adjusted rewards {id: float}, or with values=True
+        GAE's {id: (advantages [c], returns [c], values [c])} on the completion tokens."""
+        rl, out = self.rl, {}
+        for micro in pack_by_tokens(samples, self.cfg.token_budget):
+            ids, attn, mask, behavior, _ = (t.to(self.device) for t in collate(micro, self.pad_id))
+            rewards = torch.tensor([s.reward for s in micro], device=self.device)               # [N]
+            ref = token_logprobs(self.ref_model, ids, attn, self.temperature)[0] if kl_reward else None
+            if not values:
+                adjusted = kl_in_reward(rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator)  # [N]
+                out.update({id(s): float(r) for s, r in zip(micro, adjusted)})
+                continue
+            _, v = self._forward(ids, attn, True)
+            v = v[:, :-1].float()                                                              # [N, L-1]
+            token_rewards = outcome_to_token_rewards(rewards, mask)                            # [N, L-1]
+            if kl_reward:
+                token_rewards = kl_in_reward(token_rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator)
+            adv, ret = gae(token_rewards, v, mask, rl.gamma, rl.lam)                           # [N, L-1] each
+            for b, s in enumerate(micro):
+                p, c = len(s.prompt_ids), len(s.completion_ids)
+                out[id(s)] = tuple(x[b, p - 1:p - 1 + c].cpu() for x in (adv, ret, v))
+        return out
 
     # -- the wave loop --
     def train_wave(self, samples: list[TrainSample]) -> dict[str, float]:
-        """Minibatches of whole groups, `updates_per_batch` optimizer steps each."""
-        samples, token_targets = self._prepare(samples)
+        """Minibatches of whole groups, `updates_per_batch` optimizer steps each, on the advantages
+        `assign_advantages` set (it is not called here: what was stored is what trains)."""
+        missing = [s for s in samples if (s.token_advantages if self.ppo else s.advantage) is None]
+        if missing:
+            raise ValueError(f"train_wave: {len(missing)} sample(s) have no advantage; call assign_advantages first")
         groups: dict[str, list[TrainSample]] = {}
         for s in samples:
             groups.setdefault(s.group, []).append(s)
@@ -283,8 +211,9 @@ class Trainer(ABC):
         self.module.train()
         for start in range(0, len(order), k):
             minibatch = [s for g in order[start:start + k] for s in groups[g]]
+            old: dict[int, Tensor] = {}   # pi_old's log-probs [c] per sample: the first pass's, detached
             for _ in range(self.cfg.updates_per_batch):
-                for key, v in self._update(minibatch, token_targets).items():
+                for key, v in self._update(minibatch, old).items():
                     totals[key] = totals.get(key, 0.0) + v
                 n_updates += 1
         self.module.eval()
@@ -304,7 +233,7 @@ class Trainer(ABC):
         return (s.advantage == 0.0 and not self.ppo and rl.entropy_coef == 0
                 and (self.ref_model is None or rl.kl_in_reward or rl.kl_coef == 0))
 
-    def _update(self, minibatch: list[TrainSample], token_targets: dict[int, tuple[Tensor, Tensor, Tensor]]):
+    def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
         rl = self.rl
         seq_level = rl.loss_agg != "token_mean"
         n_tokens = sum(len(s.completion_ids) for s in minibatch)
@@ -318,9 +247,9 @@ class Trainer(ABC):
         pack = pack_by_prompt if shared else pack_by_tokens
         for micro in pack(live, self.cfg.token_budget):
             if shared:
-                loss, m = self._micro_loss_shared(micro, denom, max_len)
+                loss, m = self._micro_loss_shared(micro, old, denom, max_len)
             else:
-                loss, m = self._micro_loss(micro, token_targets, denom, n_tokens, max_len)
+                loss, m = self._micro_loss(micro, old, denom, n_tokens, max_len)
             self._backward(loss)
             for key, v in m.items():  # losses are already minibatch-normalised: sum; rates: average
                 metrics[key] = metrics.get(key, 0.0) + (v if key in SUMMED_METRICS else v * len(micro) / len(live))
@@ -331,32 +260,49 @@ class Trainer(ABC):
         self.step += 1
         return metrics
 
-    def _micro_loss(self, micro, token_targets, denom, n_tokens, max_len) -> tuple[Tensor, dict[str, float]]:
+    @staticmethod
+    def _proximal(micro, old: dict[int, Tensor], logp: Tensor, starts: list[int]) -> Tensor:
+        """pi_old's log-probs laid out like `logp` [N, T]: recorded on the minibatch's first pass
+        (the weights before its first step), then reused by its later passes."""
+        for b, s in enumerate(micro):
+            if id(s) not in old:
+                old[id(s)] = logp[b, starts[b]:starts[b] + len(s.completion_ids)].detach().clone()
+        out = torch.zeros_like(logp)
+        for b, s in enumerate(micro):
+            out[b, starts[b]:starts[b] + len(s.completion_ids)] = old[id(s)]
+        return out                                                                           # [N, T]
+
+    def _loss(self, logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len):
+        rl = self.rl
+        return policy_loss(
+            logp, old_logp, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=rl.loss_agg,
+            ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl_estimator,
+            entropy=entropy, entropy_coef=rl.entropy_coef, behavior_logprobs=behavior, is_cap=rl.is_cap,
+            max_len=max_len, denom=denom,
+        )
+
+    def _micro_loss(self, micro, old, denom, n_tokens, max_len) -> tuple[Tensor, dict[str, float]]:
         rl, dev = self.rl, self.device
         ids, attn, mask, behavior, adv = (t.to(dev) for t in collate(micro, self.pad_id))
         logits, values = self._forward(ids, attn, self.ppo)
-        logp, entropy = logprobs_from_logits(logits, ids, self.temperature, rl.entropy_coef > 0)
+        logp, entropy = logprobs_from_logits(logits, ids, self.temperature, rl.entropy_coef > 0)   # [N, L-1]
+        old_logp = self._proximal(micro, old, logp, [len(s.prompt_ids) - 1 for s in micro])
         ref = None
         if self.ref_model is not None and not rl.kl_in_reward:
             with torch.no_grad():
                 ref, _ = token_logprobs(self.ref_model, ids, attn, self.temperature)
         if self.ppo:
             width = ids.shape[1] - 1
-            adv, returns, old_values = (
-                place_tokens(micro, [token_targets[id(s)][i] for s in micro], width).to(dev) for i in range(3)
-            )                                                                   # [N, L-1] each
-        loss, m = policy_loss(
-            logp, behavior, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=rl.loss_agg,
-            ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl_estimator,
-            entropy=entropy, entropy_coef=rl.entropy_coef, max_len=max_len, denom=denom,
-        )
+            adv, returns, old_values = (place_tokens(micro, [torch.tensor(getattr(s, f)) for s in micro], width).to(dev)
+                                        for f in ("token_advantages", "returns", "old_values"))  # [N, L-1] each
+        loss, m = self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
         if self.ppo:
             v_loss = value_loss(values[:, :-1], returns, old_values, mask, denom=n_tokens)  # token mean
             loss = loss + rl.value_coef * v_loss
             m["value_loss"] = float(v_loss.detach())
         return loss, m
 
-    def _micro_loss_shared(self, micro, denom, max_len) -> tuple[Tensor, dict[str, float]]:
+    def _micro_loss_shared(self, micro, old, denom, max_len) -> tuple[Tensor, dict[str, float]]:
         """The policy loss on the prompt-shared layout (completion positions only)."""
         rl, dev = self.rl, self.device
         prompt_ids, prompt_attn, index, comp_ids, mask, behavior, adv = (
@@ -365,77 +311,18 @@ class Trainer(ABC):
         z = logits.float() / self.temperature
         logp = torch.log_softmax(z, dim=-1).gather(2, comp_ids[:, :, None]).squeeze(2)        # [N, C]
         entropy = entropy_from_logits(z) if rl.entropy_coef > 0 else None                       # [N, C]
+        old_logp = self._proximal(micro, old, logp, [0] * len(micro))
         ref = None
         if self.ref_model is not None and not rl.kl_in_reward:
             with torch.no_grad():
                 ref = self._ref_shared(prompt_ids, prompt_attn, index, comp_ids, mask)                 # [N, C]
-        return policy_loss(
-            logp, behavior, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=rl.loss_agg,
-            ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl_estimator,
-            entropy=entropy, entropy_coef=rl.entropy_coef, max_len=max_len, denom=denom,
-        )
+        return self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
 
     def _ref_shared(self, prompt_ids, prompt_attn, index, comp_ids, comp_attn) -> Tensor:
         ref = PolicyWithValue(self.ref_model, None)
         logits = ref.forward_shared(prompt_ids, prompt_attn, index, comp_ids, comp_attn)        # [N, C, V]
         z = logits.float() / self.temperature
         return torch.log_softmax(z, dim=-1).gather(2, comp_ids[:, :, None]).squeeze(2)          # [N, C]
-
-    # -- advantages that need the model: PPO's GAE, and KL folded into the reward --
-    @torch.no_grad()
-    def _prepare(self, samples: list[TrainSample]):
-        """-> (samples, {id(sample): (token adv [c], returns [c], old values [c])} for "gae")."""
-        rl = self.rl
-        kl_reward = rl.kl_in_reward and self.ref_model is not None
-        if not self.ppo and not kl_reward:
-            return samples, {}
-        if any(s.reward is None for s in samples):
-            raise ValueError(f"estimator={rl.estimator!r} / kl_in_reward need TrainSample.reward on every sample")
-        self.module.eval()
-        per_sample: dict[int, tuple] = {}
-        for micro in pack_by_tokens(samples, self.cfg.token_budget):
-            ids, attn, mask, behavior, _ = (t.to(self.device) for t in collate(micro, self.pad_id))
-            rewards = torch.tensor([s.reward for s in micro], device=self.device)               # [N]
-            ref = token_logprobs(self.ref_model, ids, attn, self.temperature)[0] if kl_reward else None
-            if self.ppo:
-                _, values = self._forward(ids, attn, True)
-                values = values[:, :-1].float()                                                # [N, L-1]
-                token_rewards = outcome_to_token_rewards(rewards, mask)                        # [N, L-1]
-                if kl_reward:
-                    token_rewards = kl_in_reward(token_rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator)
-                adv, ret = gae(token_rewards, values, mask, rl.gamma, rl.lam)                  # [N, L-1] each
-                rows = (adv, ret, values)
-            else:
-                rows = (kl_in_reward(rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator),)  # [N]
-            for b, s in enumerate(micro):
-                p, c = len(s.prompt_ids), len(s.completion_ids)
-                per_sample[id(s)] = tuple(r[b, p - 1:p - 1 + c].cpu() if r.dim() == 2 else r[b].cpu() for r in rows)
-        if not self.ppo:
-            return self._regroup_advantages(samples, {k: float(v[0]) for k, v in per_sample.items()}), {}
-        # PPO whitens the advantages over the batch's valid tokens
-        flat = torch.cat([per_sample[id(s)][0] for s in samples])                              # [sum c]
-        white = masked_whiten(flat[None], torch.ones_like(flat)[None])[0]
-        out, pos = {}, 0
-        for s in samples:
-            adv, ret, val = per_sample[id(s)]
-            out[id(s)] = (white[pos:pos + adv.numel()], ret, val)
-            pos += adv.numel()
-        return samples, out
-
-    def _regroup_advantages(self, samples: list[TrainSample], rewards: dict[int, float]) -> list[TrainSample]:
-        """Recompute outcome advantages from KL-adjusted rewards, group by group (same estimator)."""
-        groups: dict[str, list[TrainSample]] = {}
-        for s in samples:
-            groups.setdefault(s.group, []).append(s)
-        sizes = {len(g) for g in groups.values()}
-        batches = [list(groups.values())] if len(sizes) == 1 else [[g] for g in groups.values()]
-        out: dict[int, float] = {}
-        for batch in batches:
-            flat = [s for g in batch for s in g]
-            r = torch.tensor([rewards[id(s)] for s in flat])
-            adv = compute_advantages(self.rl.estimator, r, len(batch[0]))
-            out.update({id(s): float(a) for s, a in zip(flat, adv)})
-        return [replace(s, advantage=out[id(s)]) for s in samples]
 
     # -- checkpoint state (everything but the policy weights, which are saved in HF layout) --
     def state_dict(self) -> dict:

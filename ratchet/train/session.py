@@ -108,7 +108,7 @@ def open_session(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     return session
 
 
-def checkpoint(session: PolicySession, store: ArtifactStore) -> PolicyRef:
+def save_session(session: PolicySession, store: ArtifactStore) -> PolicyRef:
     """Write a complete checkpoint of the session (weights, trainer state, ledger) + LATEST."""
 
     def write(d: Path) -> None:
@@ -121,8 +121,3 @@ def checkpoint(session: PolicySession, store: ArtifactStore) -> PolicyRef:
 
     ref = save_checkpoint(store, session.run_id, session.version, write)
     return session.ref(ref, session.version)
-
-
-def drop_session(run_id: str) -> None:
-    with _LOCK:
-        _SESSIONS.pop(run_id, None)

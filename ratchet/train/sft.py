@@ -11,6 +11,8 @@ import random
 
 import torch
 
+from ratchet.config import ModelConfig
+
 
 def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_size: int, lr: float,
         seed: int = 0, log=None) -> list[float]:
@@ -56,7 +58,7 @@ def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str
     return [(s.prompt, s.reference_solution) for s in specs if rng.random() < fraction]
 
 
-def warm_start(cfg, specs, out_dir, log=None):
+def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
     """Build the embedded tiny model for `specs` (tokenizer, weights) and SFT it; save it in
     Hugging Face layout under `out_dir`. Returns the SFT losses."""
     from ratchet.model import build_model, build_tokenizer, save_policy

@@ -1,10 +1,11 @@
 """The torch trainer backend (CPU and one GPU): AdamW, gradient clipping, bf16 autocast on CUDA.
 
     trainer = TorchTrainer(model, pad_id, train_cfg, rl_cfg, temperature=1.0)
-    metrics = trainer.train_wave(samples)          # samples: list[TrainSample]
+    samples = trainer.assign_advantages(samples)   # samples: list[TrainSample]
+    metrics = trainer.train_wave(samples)
 
-The wave loop, packing, loss, GAE and resume state are shared with the DeepSpeed backend
-(`ratchet/train/backend.py`); this file only owns the optimizer. Tests: `pytest tests/train -q`.
+The advantages, wave loop, packing, loss and resume state are shared with the DeepSpeed
+backend (`ratchet/train/backend.py`); this file only owns the optimizer. Tests: `pytest tests/train -q`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,7 @@ import contextlib
 
 import torch
 
-from ratchet.train.backend import (  # noqa: F401  (re-exported: the public names of this module)
-    TrainSample,
-    Trainer,
-    collate,
-    lr_factor,
-    pack_by_tokens,
-    token_logprobs,
-)
+from ratchet.train.backend import Trainer
 
 
 class TorchTrainer(Trainer):

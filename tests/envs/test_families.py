@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from envs.audit import AuditConfig, audit
+from ratchet.audit import audit
+from ratchet.config import AuditConfig
 from envs.registry import all_family_names, get_family
-from envs.runtime import resolve
 
 FAMILIES = all_family_names()
 # tasks audited per family (families whose runs start pytest or a shell are slower)
@@ -30,9 +30,13 @@ def test_deterministic_and_well_formed(name):
             assert fam.generate(cfg, 4, 11, d, split) != a, "the seed changes the task"
         ids = {fam.generate(cfg, 0, i, 2, split).task_id for i in range(20)}
         assert len(ids) >= 15, f"{name}: task ids collide"
-    for step in (0, 5, 9):
-        w = fam.curriculum(step, 10, 5) if fam.curriculum else [1.0] * 5
-        assert len(w) == 5 and min(w) >= 0 and sum(w) > 0
+    if fam.curriculum is not None:   # weights per level; the share of the hardest level never falls
+        shares = []
+        for step in range(10):
+            w = fam.curriculum(step, 10, 5)
+            assert len(w) == 5 and min(w) >= 0 and sum(w) > 0
+            shares.append(w[-1] / sum(w))
+        assert shares == sorted(shares) and shares[-1] > shares[0], f"{name}: the curriculum does not move up"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -41,7 +45,7 @@ def test_references_pass_trivial_answers_fail(name, record_property):
     n = AUDITED.get(name, 6)
     specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train" if i % 2 == 0 else "heldout") for i in range(n)]
     cfg = AuditConfig(max_mutants=4 if name in AUDITED else 8, max_reference_ms=60_000)
-    verdicts = audit(specs, cfg=cfg, runtime_python=resolve)
+    verdicts = audit(specs, cfg=cfg)
     for v in verdicts:
         assert v.verdict not in ("broken", "flaky", "env_error"), f"{name}: reference of {v.task_id}: {v.reason}"
         assert v.verdict != "trivial_passes", f"{name}: {v.task_id}: {v.reason}"
@@ -50,3 +54,19 @@ def test_references_pass_trivial_answers_fail(name, record_property):
     record_property("mutation_score", sum(scores) / len(scores))
     print(f"{name}: mean mutation score {sum(scores) / len(scores):.2f} over {len(scores)} task(s); "
           f"verdicts {[v.verdict for v in verdicts]}")
+
+
+def test_python_functions_curriculum_by_hand():
+    """Uniform at the start, weights 1..max at the end: the last waves see 3x more 3-op than 1-op tasks;
+    pick_tasks follows the weights."""
+    from ratchet.rollout.wave import pick_tasks
+
+    curriculum = get_family("python_functions").curriculum
+    assert curriculum(0, 10, 3) == [1.0, 1.0, 1.0]
+    assert curriculum(9, 10, 3) == [1.0, 2.0, 3.0]
+    assert curriculum(3, 7, 3) == [1.0, 1.5, 2.0]                    # half way: t = 3 / 6
+    fam = get_family("python_functions")
+    tasks = [fam.generate(fam.config(), 0, i, d, "train") for d in (1, 2, 3) for i in range(60)]
+    first = [t.difficulty for t in pick_tasks(tasks, 60, 0, 100, curriculum, seed=0)]
+    last = [t.difficulty for t in pick_tasks(tasks, 60, 99, 100, curriculum, seed=0)]
+    assert sum(last) / len(last) > sum(first) / len(first) + 0.2   # expected means 2.0 and 2.33

@@ -8,9 +8,11 @@ import time
 
 from typer.testing import CliRunner
 
-from envs.audit import AuditConfig, audit
-from envs.cli import app
 from envs.importers import humaneval_path, parse_lines, read_tasks, write_quarantine
+from ratchet.audit import audit
+from ratchet.cli import app as ratchet_app
+from ratchet.config import AuditConfig
+from ratchet.envs_cli import app
 
 GOOD = {"task_id": "t1", "prompt": "def f(x):\n", "reference_solution": "    return x + 1\n",
         "execution_steps": [{"action": "overwrite_file", "path": "/app/solution.py", "content": "def f(x):\n<model_generated_code>"},
@@ -64,7 +66,7 @@ def test_cli_import_and_verify(tmp_path):
     comps.write_text("\n".join(lines({"task_id": "t1", "completion": "    return x + 1\n"},
                                      {"task_id": "t1", "completion": "    return x\n"},
                                      {"task_id": "zz", "completion": ""})) + "\n")
-    res = CliRunner().invoke(app, ["verify", "--tasks", str(tasks), "--completions", str(comps)])
+    res = CliRunner().invoke(ratchet_app, ["verify", "--tasks", str(tasks), "--completions", str(comps)])
     out = [json.loads(ln) for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert [(o["task_id"], o["reward"], o["env_error"]) for o in out] == [("t1", 1.0, False), ("t1", 0.0, False), ("zz", None, None)]
     assert out[0]["metrics"]["tests_total"] == 2 and out[2]["error"] == "unknown task_id"

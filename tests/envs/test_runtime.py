@@ -30,7 +30,7 @@ def test_unsatisfiable_and_unknown_runtimes(tmp_path, monkeypatch):
 
 def test_unsatisfiable_set_is_an_env_error_per_task(tmp_path):
     from envs.families.bugfix import Config, generate
-    from ratchet.reward.verify import verify_many
+    from ratchet.verify import verify_many
 
     bad = generate(Config(pytest_requirement=MISSING), 0, 0, 1, "train")
     good = generate(Config(), 0, 1, 1, "train")

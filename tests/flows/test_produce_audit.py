@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import polars as pl
+import pytest
 
-from envs.audit import AuditConfig
-from ratchet.config import EnvsConfig, StoreConfig, VerifyConfig
+from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, VerifyConfig
 from ratchet.data.gates import check_tasks
 from ratchet.data.schemas import AUDITED_TASK_SCHEMA
 from ratchet.store import open_store
@@ -27,7 +27,7 @@ def test_produce_then_audit(prefect_harness, tmp_path):
 
     store = StoreConfig(uri=str(tmp_path / "store"))
     envs = EnvsConfig(n_train=40, n_heldout=12, max_difficulty=2)
-    (result,) = audit_envs_flow(envs, VerifyConfig(), store, AuditConfig(max_mutants=4))
+    (result,) = audit_envs_flow(envs, AuditConfig(max_mutants=4), VerifyConfig(), store)
     st = open_store(store.uri)
 
     audit = st.read_table(result.audit)
@@ -46,12 +46,16 @@ def test_produce_then_audit(prefect_harness, tmp_path):
     assert result.regression is None                                    # first version of the family
 
     # a second version (one more difficulty level: the shared tasks keep their ids), audited with a
-    # runtime budget nobody meets: the regression audit lists the tasks whose verdict changed
-    (second,) = audit_envs_flow(envs.model_copy(update={"max_difficulty": 3}), VerifyConfig(), store,
-                                AuditConfig(max_mutants=4, max_reference_ms=0.001))
-    assert second.version != result.version and second.regression is not None
-    assert st.get_json("envs/python_functions/versions.json") == [result.version, second.version]
-    changed = st.read_table(second.regression)
+    # runtime budget nobody meets: the regression audit lists the tasks whose verdict changed, and
+    # the task gate stops the flow, since no task is left to train on
+    from ratchet.data.gates import GateError
+
+    with pytest.raises(GateError, match="tasks_not_empty"):
+        audit_envs_flow(envs.model_copy(update={"max_difficulty": 3}),
+                        AuditConfig(max_mutants=4, max_reference_ms=0.001), VerifyConfig(), store)
+    versions = st.get_json("envs/python_functions/versions.json")
+    assert len(versions) == 2 and versions[0] == result.version
+    changed = st.read_table(f"envs/python_functions/{versions[1]}/regression.parquet")
     assert changed.columns == ["task_id", "split", "previous", "current", "reason"]
     assert changed.height > 0 and set(changed["current"]) == {"too_slow"}
     assert set(changed["task_id"]) <= set(audit["task_id"])

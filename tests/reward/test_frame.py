@@ -1,16 +1,17 @@
-"""score_frame and env_error_report on TRAJECTORY_SCHEMA frames, and reward noise: a sandbox that
-fails on purpose yields env_error rows that are excluded (reward null), never scored 0."""
+"""score_frame on TRAJECTORY_SCHEMA frames, and reward noise: a sandbox that fails on purpose
+yields env_error rows that are excluded (reward null), never scored 0."""
 
 import pytest
 
-import ratchet.reward.verify as verify
+import ratchet.verify.verifier as verify
 from envs.spec import COMPLETION, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, RewardLogic, RewardRule, TaskSpec
 from ratchet.config import RewardConfig
 from ratchet.data.schemas import TRAJECTORY_SCHEMA, trajectories_frame
-from ratchet.reward import env_error_report, score_frame, verify_many
+from ratchet.reward import score_frame
+from ratchet.verify import verify_many
 from ratchet.sandbox import RunResult
 
-CFG = RewardConfig(max_env_error_rate=0.25)
+CFG = RewardConfig()
 SPEC_EXAMPLE = RewardLogic(rules=(
     RewardRule(metric="test_pass_rate", weight=0.7, aggregation="max"),
     RewardRule(metric="execution_time_ms", weight=0.3, aggregation="min", threshold=5000),
@@ -60,21 +61,6 @@ def test_score_frame_names_missing_and_invalid_logic():
         score_frame(frame, {"t1": bad, "t9": SPEC_EXAMPLE}, CFG)
 
 
-def test_env_error_report_by_hand():
-    rows = [row(i, family="fam_a", m=metrics(1.0)) for i in range(7)]
-    rows += [row(7, family="fam_a", env_error=True, kind="sandbox: worker died")]          # 1/8 = 0.125
-    rows += [row(i, family="fam_b", m=metrics(1.0)) for i in range(2)]
-    rows += [row(2, family="fam_b", env_error=True, kind="sandbox: could not start"),
-             row(3, family="fam_b", env_error=True, kind="runtime: venv build failed")]   # 2/4 = 0.5
-    report = env_error_report(trajectories_frame(rows), CFG)
-    assert report["rows"] == 12 and report["env_errors"] == 3 and report["rate"] == pytest.approx(0.25)
-    assert report["families"]["fam_a"] == {"rows": 8, "env_errors": 1, "rate": 0.125, "flagged": False,
-                                           "kinds": {"sandbox": 1}}
-    assert report["families"]["fam_b"]["rate"] == 0.5 and report["families"]["fam_b"]["flagged"]
-    assert report["families"]["fam_b"]["kinds"] == {"sandbox": 1, "runtime": 1}
-    assert report["flagged"] == ["fam_b"] and report["threshold"] == 0.25
-
-
 # --- reward noise: the sandbox fails on purpose ---------------------------------------------------
 
 def spec(task_id, family):
@@ -113,10 +99,6 @@ def test_broken_sandbox_rows_are_excluded_not_scored_zero(monkeypatch):
 
     frame = score_frame(wave(*zip(*items), results), {"ok1": RewardLogic(), "broken1": RewardLogic()}, CFG)
     assert frame["reward"].to_list() == [1.0, 0.0, None, None]   # null, not 0: excluded from advantages
-    report = env_error_report(frame, CFG)
-    assert report["families"]["broken"] == {"rows": 2, "env_errors": 2, "rate": 1.0, "flagged": True,
-                                            "kinds": {"sandbox": 2}}
-    assert report["families"]["ok"]["rate"] == 0.0 and report["flagged"] == ["broken"]
 
 
 def test_infra_failure_that_recovers_on_retry_is_scored(monkeypatch):

@@ -12,7 +12,9 @@ import torch
 
 from ratchet.config import RLConfig, TrainConfig
 from ratchet.model import load_policy, save_policy
-from ratchet.train.backend import TrainSample, lr_factor, token_logprobs
+from ratchet.train.backend import lr_factor
+from ratchet.train.batching import TrainSample
+from ratchet.train.policy import token_logprobs
 from ratchet.train.torch_trainer import TorchTrainer
 from tests.train import tiny
 
@@ -98,10 +100,12 @@ def test_gae_trains_the_value_head_towards_the_returns():
     model = tiny.model()
     trainer = TorchTrainer(model, pad_id(), TrainConfig(lr=1e-2, minibatch_prompts=8), RLConfig(estimator="gae"))
     samples = tiny.wave(model, seed=3, n_groups=2, group_size=4)
-    losses = [trainer.train_wave(samples)["value_loss"] for _ in range(5)]
+    losses = [trainer.train_wave(trainer.assign_advantages(samples))["value_loss"] for _ in range(5)]
     assert losses[-1] < losses[0]
     with pytest.raises(ValueError, match="reward"):
-        trainer.train_wave([TrainSample([5, 6], [7], [-1.0], 0.5, "g")])
+        trainer.assign_advantages([TrainSample([5, 6], [7], [-1.0], 0.5, "g")])
+    with pytest.raises(ValueError, match="assign_advantages"):
+        trainer.train_wave(samples)            # GAE's token advantages were never computed for these
 
 
 def test_kl_in_reward_recomputes_group_advantages():
@@ -111,7 +115,10 @@ def test_kl_in_reward_recomputes_group_advantages():
     samples = tiny.wave(model, seed=4, n_groups=2, group_size=4, zero_groups=1)
     for s in samples:  # pretend the rollout policy drifted from the reference: KL > 0
         s.behavior_logprobs = [lp + 0.1 * (i % 3) for i, lp in enumerate(s.behavior_logprobs)]
-    adjusted, _ = trainer._prepare(samples)
+    adjusted = trainer.assign_advantages(samples)
+    assert len(adjusted) == 4                                 # the equal-reward group is dropped (dynamic sampling)
+    trainer = TorchTrainer(model, pad_id(), TrainConfig(), rl.model_copy(update={"drop_zero_variance": False}))
+    adjusted = trainer.assign_advantages(samples)
     assert [s.advantage for s in adjusted[:4]] != [0.0] * 4  # the equal-reward group now varies by KL
     for g in range(2):
         assert abs(sum(s.advantage for s in adjusted[4 * g:4 * g + 4])) < 1e-4  # still group-centred
@@ -144,11 +151,11 @@ def _resume_is_exact(tmp_path, backend: str, train: TrainConfig, rl: RLConfig, n
     waves = [tiny.wave(tiny.model(), seed=10 + i, n_groups=3, group_size=4, zero_groups=i % 2) for i in range(n)]
     straight = _trainer(backend, tiny.model(), train, rl)
     for w in waves:
-        straight.train_wave(w)
+        straight.train_wave(straight.assign_advantages(w))
 
     first = _trainer(backend, tiny.model(), train, rl)
     for w in waves[: n // 2]:
-        first.train_wave(w)
+        first.train_wave(first.assign_advantages(w))
     _save(first, tmp_path)
     torch.manual_seed(1234)  # disturb the global RNG: the resumed run must not depend on it
     model, _ = load_policy(tmp_path)
@@ -156,7 +163,7 @@ def _resume_is_exact(tmp_path, backend: str, train: TrainConfig, rl: RLConfig, n
     resumed.load_state_dict(torch.load(tmp_path / "trainer.pt", weights_only=False))
     assert resumed.step == first.step
     for w in waves[n // 2:]:
-        resumed.train_wave(w)
+        resumed.train_wave(resumed.assign_advantages(w))
 
     a, b = _weights(straight), _weights(resumed)
     assert a.keys() == b.keys()
@@ -193,3 +200,45 @@ def test_deepspeed_config_comes_from_train_config():
     assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.5
     assert "offload_param" not in ds_config(TrainConfig(zero_stage=2, offload=True))["zero_optimization"]
+
+
+def test_truncated_importance_weight_scales_the_gradient_by_hand():
+    """Decoupled PPO: the ratio is taken against pi_old (this minibatch's weights), and each token's
+    loss is weighted by min(pi_old / pi_behav, is_cap). With the behaviour log-probs shifted by
+    log(w) on every token, the first update's gradient is exactly min(w, cap) x the on-policy one."""
+    model = tiny.model()
+    base = tiny.wave(model, seed=5, n_groups=1, group_size=2)
+    base[0].advantage, base[1].advantage = 1.0, -1.0
+
+    def grad(w: float, cap: float) -> torch.Tensor:
+        shifted = [TrainSample(s.prompt_ids, s.completion_ids, [lp - math.log(w) for lp in s.behavior_logprobs],
+                               s.advantage, s.group, s.reward) for s in base]
+        t = GradCapture(model, pad_id(), TrainConfig(updates_per_batch=1), RLConfig(is_cap=cap))
+        metrics = t.train_wave(shifted)
+        return t.grads[0], metrics
+
+    on_policy, m0 = grad(1.0, 2.0)
+    assert on_policy.abs().sum() > 0 and m0["is_capped_frac"] == 0.0
+    for w, cap, factor, capped in [(3.0, 2.0, 2.0, 1.0), (1.5, 2.0, 1.5, 0.0), (0.5, 2.0, 0.5, 0.0), (3.0, 1.0, 1.0, 1.0)]:
+        g, m = grad(w, cap)
+        torch.testing.assert_close(g, factor * on_policy, rtol=1e-4, atol=1e-7)
+        assert m["is_capped_frac"] == capped and m["is_weight_mean"] == pytest.approx(factor, rel=1e-4)
+
+
+@pytest.mark.parametrize("stage, offload, bf16", [(2, False, True), (2, True, False), (3, True, True)],
+                         ids=["zero2-bf16", "zero2-offload", "zero3-offload-bf16"])
+def test_deepspeed_offload_and_bf16_train_and_resume(tmp_path, stage, offload, bf16):
+    """Not only the config dict: the engine really runs bf16 weights / CPU-offloaded optimizer
+    state, takes steps, and resumes bit-identically."""
+    pytest.importorskip("deepspeed")
+    from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
+
+    train = TrainConfig(backend="deepspeed", zero_stage=stage, offload=offload, bf16=bf16, minibatch_prompts=2,
+                        token_budget=80, lr=1e-3)
+    t = DeepSpeedTrainer(tiny.model(), pad_id(), train, RLConfig())
+    assert t.engine.bfloat16_enabled() is bf16 and t.engine.zero_cpu_offload() is offload
+    with t.gathered():
+        assert next(t.model.parameters()).dtype == (torch.bfloat16 if bf16 else torch.float32)
+    metrics = t.train_wave(t.assign_advantages(tiny.wave(tiny.model(), seed=1, n_groups=2, group_size=4)))
+    assert metrics["optimizer_steps"] == 2 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
+    _resume_is_exact(tmp_path, "deepspeed", train, RLConfig())

@@ -8,7 +8,8 @@ import torch
 
 from ratchet.config import ModelConfig
 from ratchet.model import build_model, build_tokenizer
-from ratchet.train.backend import TrainSample, token_logprobs
+from ratchet.train.batching import TrainSample
+from ratchet.train.policy import token_logprobs
 
 CORPUS = [f"# add {i}, then negate it\ndef f(x):\n    x = x + {i}\n    x = -x\n    return x\n" for i in range(10)]
 TINY = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=128, max_seq_len=64)

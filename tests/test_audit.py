@@ -7,10 +7,12 @@ import json
 import polars as pl
 import pytest
 
-from envs.audit import AuditConfig, audit, regression, task_mutants
 from envs.mutation import mutants, python_mutants, text_mutants
 from envs.registry import get_family
+from envs.snapshot import regression
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, RunCommand, TaskSpec
+from ratchet.audit import audit, task_mutants
+from ratchet.config import AuditConfig
 
 FAST = AuditConfig(max_reference_ms=60_000)   # verdicts here must not depend on machine load
 
@@ -64,8 +66,21 @@ def test_budgets_and_env_errors():
     assert slow.verdict == "too_slow" and "budget" in slow.reason
     assert long_.verdict == "too_long" and "50 chars" in long_.reason
     assert unrunnable.verdict == "env_error" and "ls" in unrunnable.reason
-    (tok,) = audit([GOOD], cfg=FAST.model_copy(update={"max_prompt_tokens": 2}), count_tokens=lambda s: len(s.split()) * 2)
-    assert tok.verdict == "too_long" and "tokens" in tok.reason
+
+
+def test_leaky_tests_are_quarantined_before_anything_runs():
+    """A hidden test that the prompt shows (call and expected value) teaches the answer: not fit to train on."""
+    leaky = GOOD.model_copy(update={"task_id": "leaky", "prompt": "# f(2) == 7\ndef f(x):\n"})
+    (v,) = audit([leaky], cfg=FAST)
+    assert v.verdict == "leaky_tests" and "hidden test 1" in v.reason and v.reference_ms is None
+
+
+def test_a_task_without_reference_is_audited_by_its_other_probes():
+    no_ref = GOOD.model_copy(update={"task_id": "no_ref", "reference_solution": None})
+    trivial = TRIVIAL.model_copy(update={"reference_solution": None})
+    ok, bad = audit([no_ref, trivial], cfg=FAST)
+    assert ok.verdict == "pass" and ok.reason.startswith("no reference solution") and ok.mutation_score is None
+    assert bad.verdict == "trivial_passes"
 
 
 def test_probe_matches_one_run_per_candidate():

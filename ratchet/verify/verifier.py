@@ -1,9 +1,10 @@
 """Verification: run a completion's execution steps in the sandbox and measure what happened.
 
-    results = verify_many([(spec, completion), ...], limits)   # one Verification per item, in order
-    results = verify_many(items, limits, runtime_python=resolver)   # resolver(env_config) -> a venv's python
+    results = verify_many([(spec, completion), ...], cfg.verify.sandbox_limits())   # in order
+    results[0].passed, results[0].metrics, results[0].env_error
 
-This is the single call site between the reward layer and the sandbox. Each item becomes
+This is the single call site between judging an answer and the sandbox: waves, held-out
+evaluation, the environment audit and `ratchet verify` all come through here. Each item becomes
 one sandbox run (fresh namespaces each time); identical (task, completion) pairs in one
 call are run once. A run that fails for infrastructure reasons (the sandbox could not
 start, a worker died, the task's runtime could not be built) is retried; if it keeps
@@ -21,7 +22,7 @@ Two kinds of task:
 
 Hacking guards here: hidden tests are placed after the completion's files and read-only;
 call results are compared outside the sandbox; visible-only success is flagged
-(`ratchet.reward.guards`); an empty completion is not run and scores nothing.
+(`ratchet.verify.guards`); an empty completion is not run and scores nothing.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+from envs.runtime import resolve
 from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, RunCommand, TaskSpec
-from ratchet.reward.commands import command_argv, pytest_report
-from ratchet.reward.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
+from ratchet.verify.commands import command_argv, pytest_report
+from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
 from ratchet.sandbox.harness import call_harness, parse_harness_output
 
@@ -46,6 +48,17 @@ class Verification:
     env_error: bool = False
     env_error_kind: str | None = None
 
+    @property
+    def passed(self) -> bool:
+        """The one definition of "passed", for the audit, evaluation and reports alike: verified
+        (no env_error), every hidden test passed, and within the wall-clock limit."""
+        return not self.env_error and passed(self.metrics)
+
+
+def passed(metrics: dict | None) -> bool:
+    """A run's metrics say: every hidden test passed, and within the wall-clock limit."""
+    return bool(metrics) and metrics.get("test_pass_rate", 0.0) >= 1.0 and not metrics.get("timed_out", False)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -57,22 +70,24 @@ class Plan:
     visible: tuple[CallTest, ...] = ()
 
 
-def _canonical(js: str | None) -> str | None:
+def canonical(js: str | None) -> str | None:
     """JSON text in one spelling, so '[1, 2]' == '[1,2]' but '1' != 'true' != '1.0'."""
     if js is None:
         return None
     return json.dumps(json.loads(js), separators=(",", ":"), ensure_ascii=True)
 
 
-def _workdir_path(path: str) -> str:
+def workdir_path(path: str) -> str:
+    """A spec path ("/app/main.py") as a path in the sandbox's workdir ("main.py")."""
     return path.removeprefix("/app/").lstrip("/")
 
 
-def _solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
+def solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
+    """The workdir of one run: the snapshot's files, then every overwrite_file step with `completion`."""
     files = dict(spec.files)
     for step in spec.with_completion(completion):
         if isinstance(step, OverwriteFile):
-            files[_workdir_path(step.path)] = step.content
+            files[workdir_path(step.path)] = step.content
     return files
 
 
@@ -93,7 +108,7 @@ def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:
 
 def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Plan:
     """The sandbox run for a spec's execution steps with `completion` substituted."""
-    files, tests_ro = _solution_files(spec, completion), dict(spec.test_files)
+    files, tests_ro = solution_files(spec, completion), dict(spec.test_files)
     step = _one_step(spec)
     if isinstance(step, CheckCalls):
         visible = visible_tests(spec)
@@ -126,7 +141,7 @@ def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[Call
     """(hidden passed, visible passed): results compared here, outside the sandbox, as canonical JSON."""
     tests = (*hidden, *visible)
     got = parse_harness_output(stdout, n=len(tests))
-    ok = [g is not None and _canonical(g) == _canonical(t.expected) for g, t in zip(got, tests)]
+    ok = [g is not None and canonical(g) == canonical(t.expected) for g, t in zip(got, tests)]
     return sum(ok[:len(hidden)]), sum(ok[len(hidden):])
 
 
@@ -227,10 +242,11 @@ def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult) -> Verifi
 
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
-                runtime_python: RuntimePython | None = None) -> list[Verification]:
-    """Verify each (spec, completion); results in input order. `runtime_python(env)` gives the
-    interpreter of a task's environment (None: the sandbox's host python, with site-packages, for
-    run_command tasks; check_calls tasks without dependencies always use the fast isolated one)."""
+                runtime_python: RuntimePython | None = resolve) -> list[Verification]:
+    """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
+    `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
+    a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
+    for run_command tasks; check_calls tasks without dependencies always use the fast isolated one)."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}

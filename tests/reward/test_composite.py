@@ -1,4 +1,4 @@
-"""Hand-computed rewards for every rule of ratchet.reward.score (run: .venv/bin/pytest tests/reward -q)."""
+"""Hand-computed rewards for every rule of ratchet.reward.composite (run: .venv/bin/pytest tests/reward -q)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 
 from envs.spec import RewardLogic, RewardRule
 from ratchet.config import RewardConfig
-from ratchet.reward import RewardLogicError, reward_bounds, score, score_components, validate_logic
+from ratchet.reward import RewardLogicError, reward_bounds, score, validate_logic
 from ratchet.reward.metrics import metric_score
 
 SPEC_EXAMPLE = RewardLogic(rules=(
@@ -102,7 +102,6 @@ def test_runtime_noise_flags_are_reported_not_penalised():
     # pytest itself spawns processes and writes caches outside the workdir: reported, reward unchanged
     noisy = m(test_pass_rate=1.0, execution_time_ms=1000.0, security_flags=["process_spawn", "write_refused"])
     assert score(noisy, SPEC_EXAMPLE, CFG) == pytest.approx(0.94)
-    assert score_components(noisy, SPEC_EXAMPLE, CFG)["security"] == 1.0
     # an unregistered flag is penalised (safe default), like the registered misbehaviour
     assert score(m(security_flags=["process_spawn", "something_new"]), SPEC_EXAMPLE, CFG) == 0.0
 
@@ -126,15 +125,6 @@ def test_no_efficiency_or_security_credit_without_passing_a_test():
 
 def test_env_error_metrics_score_none():
     assert score(None, SPEC_EXAMPLE, CFG) is None
-    assert set(score_components(None, SPEC_EXAMPLE, CFG).values()) == {None}
-
-
-def test_components_next_to_the_scalar():
-    comps = score_components(m(test_pass_rate=0.5, execution_time_ms=1000.0, format_ok=False), SPEC_EXAMPLE, CFG)
-    assert comps == {"completion": 0.5, "format": 0.0, "security": 1.0, "efficiency": pytest.approx(0.8),
-                     "composite": pytest.approx(0.59), "reward": pytest.approx(0.59)}
-    flagged = score_components(m(security_flags=["fork_limit"]), RewardLogic(), CFG)
-    assert flagged["security"] == 0.0 and flagged["efficiency"] is None and flagged["reward"] == 0.0
 
 
 @pytest.mark.parametrize("cfg, bounds", [

@@ -1,4 +1,4 @@
-"""Verifier metrics -> one scalar reward (and its components), exactly as the task's reward_logic says.
+"""Verifier metrics -> one scalar reward, exactly as the task's reward_logic says.
 
     r = score(verification.metrics, spec.reward_logic, cfg.reward)    # None for env_error rows
     lo, hi = reward_bounds(spec.reward_logic, cfg.reward)             # what the wave gate allows
@@ -82,37 +82,6 @@ def score(metrics: dict | None, logic: RewardLogic, cfg: RewardConfig) -> float 
     if cfg.security_penalty is not None and security_flags(metrics):
         r = min(r, cfg.security_penalty)
     return float(r)
-
-
-def score_components(metrics: dict | None, logic: RewardLogic, cfg: RewardConfig) -> dict[str, float | None]:
-    """The multi-dimensional reward next to the scalar, each in [0, 1] (None: not measured / no rule):
-
-    completion = the logic's completion rules' weighted mean (no such rule: test_pass_rate, partial credit applied),
-    format     = format_ok (1/0), security = 1 if no flag was raised else 0,
-    efficiency = the logic's efficiency rules' weighted mean (gated like the scalar; None without such rules),
-    composite  = c, reward = the scalar.
-    """
-    if metrics is None:
-        return {k: None for k in ("completion", "format", "security", "efficiency", "composite", "reward")}
-    validate_logic(logic)
-    by_dim = {d: [r for r in logic.rules if METRICS[r.metric].dimension == d] for d in ("completion", "efficiency")}
-    if not by_dim["completion"]:
-        by_dim["completion"] = [RewardRule(metric="test_pass_rate", weight=1.0, aggregation="max")]
-    comps = {d: _weighted(rules, metrics, cfg) for d, rules in by_dim.items()}
-    return {
-        "completion": comps["completion"],
-        "format": format_ok(metrics),
-        "security": 0.0 if security_flags(metrics) else 1.0,
-        "efficiency": comps["efficiency"],
-        "composite": composite(metrics, logic, cfg),
-        "reward": score(metrics, logic, cfg),
-    }
-
-
-def _weighted(rules: list[RewardRule], metrics: dict, cfg: RewardConfig) -> float | None:
-    if not rules:
-        return None
-    return sum(r.weight * rule_score(r, metrics, cfg) for r in rules) / sum(r.weight for r in rules)
 
 
 def reward_bounds(logic: RewardLogic, cfg: RewardConfig) -> tuple[float, float]:

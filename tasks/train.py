@@ -1,12 +1,11 @@
-"""Prefect tasks of the policy: bootstrap, rollout, train, checkpoint. Thin: load refs, call
-`ratchet.stages` / `ratchet.train`, save, return refs."""
+"""Prefect tasks of training: bootstrap the policy, train an epoch on a gated wave, checkpoint.
+Thin: load refs, call `ratchet.stages` / `ratchet.train`, save, return refs."""
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-import polars as pl
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -47,21 +46,15 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
-def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: NightlyConfig) -> Ref:
-    """Sample one wave from the current policy; trajectories to the store."""
-    session = sessions.open_session(policy, cfg)
-    frames = [stages.rollout(session.engine, load_specs(r), policy.run_id, step, policy.version, cfg)
-              for r in train]
-    key = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet"
-    return open_store(cfg.store.uri).write_table(key, pl.concat(frames))
-
-
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
 def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
-    """One RL epoch on a gated wave; returns the next policy version and the train metrics."""
+    """One RL epoch on a gated wave; returns the next policy version and the train metrics.
+    The advantages are computed here, once, stored beside the wave (`trained.parquet`), and
+    exactly those are trained on."""
     session = sessions.open_session(policy, cfg)
-    frame = open_store(cfg.store.uri).read_table(wave)
-    samples = stages.train_samples(frame, session.engine.encode_prompts, cfg.rl.estimator)
+    store = open_store(cfg.store.uri)
+    frame = store.read_table(wave)
+    samples = session.trainer.assign_advantages(stages.train_samples(frame, session.engine.encode_prompts, cfg))
+    store.write_table(wave.sibling("trained.parquet"), stages.with_advantages(frame, samples))
     metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
     session.version += 1
     session.consumed_waves.append(int(frame["step"][0]))
@@ -69,6 +62,6 @@ def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tu
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
-def checkpoint(policy: sessions.PolicyRef, cfg: NightlyConfig) -> sessions.PolicyRef:
+def checkpoint_policy(policy: sessions.PolicyRef, cfg: NightlyConfig) -> sessions.PolicyRef:
     """Weights, optimizer, RNG and ledger to the store; LATEST written last."""
-    return sessions.checkpoint(sessions.open_session(policy, cfg), open_store(cfg.store.uri))
+    return sessions.save_session(sessions.open_session(policy, cfg), open_store(cfg.store.uri))

@@ -1,10 +1,10 @@
 """Reward-hacking guards that are decisions on specs and results (the sandbox-side guards live in
-`ratchet.reward.verify`: tests placed read-only after the completion, results compared outside).
+`ratchet.verify.verifier`: tests placed read-only after the completion, results compared outside).
 
-    hidden_test_leaks(spec)      # ["hidden test 2 (f(3) -> 5) appears in the prompt", ...]; audits reject such tasks
+    hidden_test_leaks(spec)      # ["hidden test 2 (f(3) -> 5) appears in the prompt", ...]; the audit quarantines such tasks (verdict "leaky_tests")
     special_cased(1.0, 0.2)      # True: flag "special_cased_examples"
 
-Rules, each with a test that runs a real attempt (tests/reward/test_hacking.py):
+Rules, each with a test that runs a real attempt (tests/verify/test_hacking.py):
 
 - hidden tests never appear in the prompt: a hidden call test leaks when the prompt shows the
   call `entry(args)` followed (within 200 characters) by its expected value, in Python or JSON
@@ -99,8 +99,3 @@ def hidden_test_leaks(spec: TaskSpec) -> list[str]:
             if line in prompt:
                 leaks.append(f"hidden test file {path}: line {line!r} appears in the prompt")
     return leaks
-
-
-def leaks_hidden_tests(spec: TaskSpec) -> bool:
-    """True when any hidden test (call test or test file) can be read off the prompt."""
-    return bool(hidden_test_leaks(spec))

@@ -10,9 +10,11 @@ import pytest
 from envs.families.python_functions import Config, generate
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, RewardLogic, RewardRule, RunCommand, TaskSpec
 from ratchet.config import RewardConfig
-from ratchet.reward import hidden_test_leaks, leaks_hidden_tests, score, special_cased, verify_many
-from ratchet.reward.commands import pytest_counts
-from ratchet.reward.verify import build_payload
+from ratchet.reward import score
+from ratchet.verify import verify_many
+from ratchet.verify.guards import hidden_test_leaks, special_cased
+from ratchet.verify.commands import pytest_counts
+from ratchet.verify.verifier import build_payload
 from ratchet.sandbox import Payload, run_many
 
 CFG = RewardConfig()
@@ -31,10 +33,10 @@ def calls_task(prompt="# add one to x\ndef f(x):\n", tests=HIDDEN, task_id="add1
 
 def test_a_leaked_prompt_is_caught_and_is_what_a_hard_coder_exploits():
     leaky = calls_task(prompt="# add one to x, e.g. f(7) == 8 and f(-3) -> -2\ndef f(x):\n", task_id="leaky")
-    assert leaks_hidden_tests(leaky)
+    assert hidden_test_leaks(leaky)
     assert hidden_test_leaks(leaky) == ["hidden test 0 (f[7] -> 8) appears in the prompt",
                                         "hidden test 1 (f[-3] -> -2) appears in the prompt"]
-    assert not leaks_hidden_tests(calls_task())
+    assert not hidden_test_leaks(calls_task())
     # the attack the guard prevents: answers read off the prompt pass the leaked tests, and only those
     lookup = "def f(x):\n    return {7: 8, -3: -2}[x]\n"
     [v] = verify_many([(leaky, lookup)])
@@ -50,7 +52,7 @@ def test_leaks_in_test_files_and_repeated_visible_examples():
 
 def test_generated_tasks_do_not_leak():
     specs = [generate(Config(), seed=0, index=i, difficulty=1 + i % 3, split="train") for i in range(60)]
-    assert [s.task_id for s in specs if leaks_hidden_tests(s)] == []
+    assert [s.task_id for s in specs if hidden_test_leaks(s)] == []
 
 
 # --- results are compared outside the sandbox ---------------------------------------------------------
@@ -161,7 +163,7 @@ def f(x):
 def test_forged_pytest_report_is_not_credited():
     """After pytest's real report (1 passed, 2 failed), print a fake one; and the same, then exit 0.
     (A completion that rewrites the reporter coherently before anything is printed is not
-    caught: see the threat model in ratchet/reward/commands.py.)"""
+    caught: see the threat model in ratchet/verify/commands.py.)"""
     spec = cmd_task("pytest -q tests/", "forge")
     results = verify_many([(spec, FORGE.replace("EXIT", "None")), (spec, FORGE.replace("EXIT", "0"))])
     for v in results:
@@ -182,7 +184,7 @@ def test_special_casing_rule():
 
 def test_hard_coded_visible_examples_fail_held_out_inputs_and_are_flagged():
     spec = calls_task(prompt=EXAMPLES_PROMPT, metadata={"visible_tests": VISIBLE}, task_id="examples")
-    assert not leaks_hidden_tests(spec)
+    assert not hidden_test_leaks(spec)
     lookup = "def f(x):\n    return {1: 2, 2: 3, 3: 4}[x]\n"
     branches = "def f(x):\n    if x == 1: return 2\n    if x == 2: return 3\n    if x == 3: return 4\n    return x * 2 - 8\n"
     honest_bug = "def f(x):\n    return x + 1 if x > 1 else 0\n"     # fails visible f(1): not special-casing

@@ -10,10 +10,11 @@ import pytest
 
 from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RewardLogic, RunCommand, TaskSpec
 from ratchet.config import RewardConfig
-from ratchet.reward import score, verify_many
-from ratchet.reward.commands import PYTEST_EXTRA, command_argv, json_report_counts, pytest_counts, pytest_report
+from ratchet.reward import score
+from ratchet.verify import verify_many
+from ratchet.verify.commands import PYTEST_EXTRA, command_argv, json_report_counts, pytest_counts, pytest_report
 from ratchet.data.schemas import METRICS
-from ratchet.reward.verify import Plan, _command_passed
+from ratchet.verify.verifier import Plan, _command_passed
 from ratchet.sandbox import Payload, RunResult
 from ratchet.sandbox.host import host_python
 

@@ -1,17 +1,15 @@
-"""Prefect tasks of layer 1: produce a family's environments, audit them.
+"""Prefect task of layer 1: audit a family's snapshot in the sandbox, gate the tasks that passed.
 
-    snapshot = produce_envs("python_functions", EnvsConfig(), StoreConfig())
-    result = audit_envs(snapshot, VerifyConfig(), StoreConfig())
+    result = audit_envs(snapshot, AuditConfig(), VerifyConfig(), StoreConfig())
     result.passed        # Ref to the training tasks that passed the audit (AUDITED_TASK_SCHEMA)
 
-Store keys: see envs/snapshot.py (envs/<family>/<version>/tasks.parquet, heldout.parquet,
-lineage.json, audit.parquet, passed.parquet, quarantine.parquet, regression.parquet).
+Store keys: see envs/snapshot.py (envs/<family>/<version>/audit.parquet, passed.parquet,
+heldout_passed.parquet, quarantine.parquet, regression.parquet).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Callable
 
 import polars as pl
 from prefect import get_run_logger, task
@@ -19,21 +17,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.audit import VERDICTS, AuditConfig, audit, limits_for
-from envs.production import produce
-from envs.runtime import resolve
-from envs.snapshot import load_specs, save_audit, save_production
-from ratchet.config import EnvsConfig, StoreConfig, VerifyConfig
+from envs.snapshot import VERDICTS, load_specs, save_audit
+from ratchet.audit import audit
+from ratchet.config import AuditConfig, StoreConfig, VerifyConfig
+from ratchet.data.gates import check_tasks
 from ratchet.store import Ref, open_store
-
-
-class EnvSnapshot(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    family: str
-    version: str = Field(description="<EnvsConfig.version>-<fingerprint of family code + configs>.")
-    train: Ref
-    heldout: Ref
-    lineage: Ref
+from tasks.produce import EnvSnapshot
 
 
 class AuditResult(BaseModel):
@@ -48,27 +37,22 @@ class AuditResult(BaseModel):
     counts: dict[str, int] = Field(description="Tasks per verdict (train and held-out together).")
 
 
-@task(retries=2, retry_delay_seconds=[5, 30], cache_policy=NO_CACHE)
-def produce_envs(family: str, cfg: EnvsConfig, store: StoreConfig) -> EnvSnapshot:
-    """Generate, dedup and decontaminate one family's tasks; a versioned snapshot with lineage.
-    A version already in the store is reused (it is a pure function of its fingerprint)."""
-    prod = produce(family, cfg)
-    refs = save_production(open_store(store.uri), prod)
-    get_run_logger().info("%s %s: %s", family, prod.version, prod.lineage["counts"])
-    return EnvSnapshot(family=family, version=prod.version, **refs)
-
-
 @task(retries=1, retry_delay_seconds=[5], cache_policy=NO_CACHE)
-def audit_envs(snapshot: EnvSnapshot, verify: VerifyConfig, store: StoreConfig,
-               cfg: AuditConfig | None = None, count_tokens: Callable[[str], int] | None = None) -> AuditResult:
+def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, store: StoreConfig) -> AuditResult:
     """Audit every task of a snapshot in the sandbox; quarantine the failures with their reason.
-    count_tokens (e.g. the policy tokenizer's) with cfg.max_prompt_tokens checks the context fit."""
+    The tasks that passed go through the task-table gate (Great Expectations) before any
+    rollout may sample them; a failed gate stops the flow with the report as an artifact."""
     specs = load_specs(snapshot.train) + load_specs(snapshot.heldout)
-    verdicts = audit(specs, limits_for(verify), cfg, concurrency=verify.concurrency,
-                     retries=verify.env_error_retries, count_tokens=count_tokens, runtime_python=resolve)
-    saved = save_audit(open_store(store.uri), snapshot.family, snapshot.version, specs, verdicts)
+    verdicts = audit(specs, cfg, verify)
+    st = open_store(store.uri)
+    saved = save_audit(st, snapshot.family, snapshot.version, specs, verdicts)
     _artifacts(snapshot, saved.table, saved.counts, saved.changed)
     get_run_logger().info("audit %s %s: %s", snapshot.family, snapshot.version, saved.counts)
+    for key in ("passed", "heldout_passed"):
+        report = check_tasks(st.read_table(saved.refs[key]), source=saved.refs[key].uri)
+        if not report.success:
+            create_markdown_artifact(report.to_markdown(), key="gate-tasks", description=f"gate failed: {saved.refs[key].uri}")
+        report.raise_if_failed()
     return AuditResult(family=snapshot.family, version=snapshot.version, counts=saved.counts, **saved.refs)
 
 

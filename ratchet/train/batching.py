@@ -1,0 +1,121 @@
+"""What a trainer eats: the sample type, micro-batch packing and tensor layouts.
+
+    samples = [TrainSample(prompt_ids, completion_ids, behavior_logprobs, advantage, group, reward=r), ...]
+    for micro in pack_by_prompt(samples, budget=8192): prompt_ids, ..., adv = collate_shared(micro, pad_id)
+
+Two layouts: the plain one (`collate`: each row is prompt + completion, right-padded,
+[N, L]) and the prompt-shared one (`collate_shared`: each distinct prompt once [U, P], the
+completions [N, C]), which forwards a group's prompt once for its G samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class TrainSample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behavior_logprobs: list[float]   # one per completion token, from the rollout engine
+    advantage: float | None          # outcome estimators; set by Trainer.assign_advantages
+    group: str                       # prompt group id (whole groups stay in one minibatch)
+    reward: float | None = None      # what the advantages are computed from
+    row: int = -1                    # the sample's row in its wave's frame (to store what was trained on)
+    token_advantages: list[float] | None = None   # "gae": one per completion token
+    returns: list[float] | None = None            # "gae": value-loss targets, one per token
+    old_values: list[float] | None = None         # "gae": V(s_t) before the epoch, one per token
+
+
+def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
+    """Greedy packing by padded size: rows * longest row <= budget (at least one row each)."""
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    batches: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    for s in ordered:
+        length = len(s.prompt_ids) + len(s.completion_ids)
+        if current and (len(current) + 1) * length > budget:
+            batches.append(current)
+            current = []
+        current.append(s)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate(samples: list[TrainSample], pad_id: int):
+    """Right-padded ids [N, L], attention [N, L]; completion-aligned mask/behaviour [N, L-1], adv [N]."""
+    L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    N = len(samples)
+    ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((N, L), dtype=torch.long)
+    mask = torch.zeros((N, L - 1))
+    behavior = torch.zeros((N, L - 1))
+    for b, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attn[b, :p + c] = 1
+        mask[b, p - 1:p + c - 1] = 1                       # position t predicts token t+1
+        behavior[b, p - 1:p + c - 1] = torch.tensor(s.behavior_logprobs)
+    adv = torch.tensor([s.advantage or 0.0 for s in samples])   # [N] (gae: token_advantages instead)
+    return ids, attn, mask, behavior, adv
+
+
+def pack_by_prompt(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
+    """Whole prompt groups per micro-batch, padded cost (prompts * P + rows * C) <= budget
+    (a group larger than the budget is split; its prompt is then forwarded once per piece)."""
+    groups: dict[tuple[int, ...], list[TrainSample]] = {}
+    for s in samples:
+        groups.setdefault(tuple(s.prompt_ids), []).append(s)
+    ordered = sorted(groups.values(), key=lambda g: len(g[0].prompt_ids) + max(len(s.completion_ids) for s in g))
+    batches: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    n_prompts, P, C = 0, 0, 0
+    for g in ordered:
+        for s in sorted(g, key=lambda s: len(s.completion_ids)):
+            new_prompt = not current or current[-1].prompt_ids != s.prompt_ids
+            p, c = max(P, len(s.prompt_ids)), max(C, len(s.completion_ids))
+            if current and (n_prompts + new_prompt) * p + (len(current) + 1) * c > budget:
+                batches.append(current)
+                current, n_prompts, new_prompt, p, c = [], 0, True, len(s.prompt_ids), len(s.completion_ids)
+            current.append(s)
+            n_prompts, P, C = n_prompts + new_prompt, p, c
+    if current:
+        batches.append(current)
+    return batches
+
+
+def collate_shared(samples: list[TrainSample], pad_id: int):
+    """Prompt-shared layout: unique prompts left-padded [U, P] (+ attention), the row -> prompt
+    index [N], completions right-padded [N, C] (+ attention = loss mask), behaviour [N, C], adv [N]."""
+    prompts: dict[tuple[int, ...], int] = {}
+    index = [prompts.setdefault(tuple(s.prompt_ids), len(prompts)) for s in samples]
+    U, P = len(prompts), max(len(p) for p in prompts)
+    N, C = len(samples), max(len(s.completion_ids) for s in samples)
+    prompt_ids = torch.full((U, P), pad_id, dtype=torch.long)
+    prompt_attn = torch.zeros((U, P), dtype=torch.long)
+    for p, u in prompts.items():
+        prompt_ids[u, P - len(p):] = torch.tensor(p)
+        prompt_attn[u, P - len(p):] = 1
+    comp_ids = torch.full((N, C), pad_id, dtype=torch.long)
+    comp_attn = torch.zeros((N, C), dtype=torch.long)
+    behavior = torch.zeros((N, C))
+    for b, s in enumerate(samples):
+        c = len(s.completion_ids)
+        comp_ids[b, :c] = torch.tensor(s.completion_ids)
+        comp_attn[b, :c] = 1
+        behavior[b, :c] = torch.tensor(s.behavior_logprobs)
+    adv = torch.tensor([s.advantage or 0.0 for s in samples])                # [N]
+    return prompt_ids, prompt_attn, torch.tensor(index), comp_ids, comp_attn, behavior, adv
+
+
+def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int) -> Tensor:
+    """Per-sample completion vectors ([c] each) -> [N, width] aligned like `collate`'s mask."""
+    out = torch.zeros((len(samples), width))
+    for b, (s, v) in enumerate(zip(samples, values)):
+        p = len(s.prompt_ids)
+        out[b, p - 1:p - 1 + v.numel()] = v
+    return out

@@ -1,0 +1,26 @@
+"""Prefect task between rollout and the gate: verify a wave in the sandbox and score it."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from envs.snapshot import load_specs
+from ratchet import stages
+from ratchet.config import NightlyConfig
+from ratchet.reward import score_frame
+from ratchet.store import Ref, open_store
+
+
+@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, dict]:
+    """Verify every completion in the sandbox and turn its metrics into a reward (advantages
+    are the training stage's: they are computed once, by the trainer, and stored there)."""
+    specs = {s.task_id: s for r in train for s in load_specs(r)}
+    store = open_store(cfg.store.uri)
+    frame = stages.verify_frame(store.read_table(wave), specs, cfg)
+    frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward)
+    stats = stages.group_stats(frame, cfg)
+    stats.update(reward_mean=float(frame["reward"].mean() or 0.0),
+                 env_error_rate=float(frame["env_error"].mean() or 0.0))
+    return store.write_table(wave.sibling("scored.parquet"), frame), stats

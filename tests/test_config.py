@@ -1,0 +1,86 @@
+"""One config tree holds every knob, and every knob is read: a field that nothing reads is a
+setting whose description lies."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from ratchet.config import EnvsConfig, NightlyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for d in ("ratchet", "envs", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
+# ratchet/config.py counts too: its fields are declarations (not attribute reads), its methods
+# (e.g. EnvsConfig.generator_config) are readers like any other.
+
+
+def _tree(model: type[BaseModel], path: str = "") -> list[tuple[str, type[BaseModel], str]]:
+    """(dotted path, the section class that declares it, field name) of every leaf field."""
+    out = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            out += _tree(sub, f"{path}{name}.")
+        else:
+            out.append((f"{path}{name}", model, name))
+    return out
+
+
+def _reads() -> tuple[set[tuple[str, str]], dict[str, set[str]]]:
+    """Attribute reads `<...>.<section>.<field>` anywhere, and per module the attributes read in it
+    and the config class names it mentions."""
+    chains, by_module = set(), {}
+    for path in SOURCES:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        by_module[str(path)] = attrs | {f"class:{n}" for n in names}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute):
+                chains.add((n.value.attr, n.attr))
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                chains.add((n.value.id, n.attr))
+    return chains, by_module
+
+
+FIELDS = _tree(NightlyConfig)
+CHAINS, MODULES = _reads()
+
+
+@pytest.mark.parametrize("path, section, name", FIELDS, ids=[f[0] for f in FIELDS])
+def test_every_field_of_the_tree_is_read(path, section, name):
+    """Read as `<x>.<section>.<field>` (e.g. `cfg.rl.is_cap`, `rl.is_cap`), or as `.<field>` in a
+    module that names the field's config class (e.g. `self.cfg.lr` in a module importing TrainConfig)."""
+    parent = path.rsplit(".", 1)[0] if "." in path else None
+    by_chain = parent is not None and (parent.rsplit(".", 1)[-1], name) in CHAINS
+    by_module = any(name in reads and f"class:{section.__name__}" in reads for reads in MODULES.values())
+    by_root = parent is None and (("cfg", name) in CHAINS)
+    assert by_chain or by_module or by_root, f"{path} ({section.__name__}.{name}) is read nowhere"
+
+
+def test_the_tree_reaches_every_section():
+    """Audit, cleaning and per-family generator settings are part of the nightly's one tree."""
+    paths = {p for p, _, _ in FIELDS}
+    assert {"audit.mutation_threshold", "envs.clean.ngram", "envs.family_config", "verify.timeout_s"} <= paths
+    assert "reward.max_env_error_rate" not in paths and "gate.max_env_error_rate" in paths
+
+
+def test_family_settings_are_validated_against_the_family():
+    cfg = EnvsConfig(family_config={"python_functions": {"n_tests": 12}})
+    assert cfg.generator_config("python_functions").n_tests == 12
+    assert EnvsConfig().generator_config("python_functions").n_tests == 10
+    with pytest.raises(ValueError, match="n_tests"):
+        EnvsConfig(family_config={"python_functions": {"n_tests": 0}})
+    with pytest.raises(ValueError, match="no_such_family"):
+        EnvsConfig(family_config={"no_such_family": {}})
+
+
+def test_one_limits_mapping():
+    from ratchet.config import VerifyConfig
+
+    limits = VerifyConfig(timeout_s=3.0, memory_mb=256).sandbox_limits()
+    assert (limits.wall_s, limits.cpu_s, limits.memory_mb) == (3.0, 3.0, 256)
