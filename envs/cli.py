@@ -6,8 +6,8 @@
     ratchet verify --tasks tasks.jsonl --completions completions.jsonl [--format humaneval]
 
 `import` keeps every good line (a snapshot per family in the store, as production writes
-them), prints one error per bad line (file:line: field 'x': why) and writes the bad lines
-with their reason to a quarantine file; `--audit` then audits the snapshot in the sandbox.
+them), prints every error of each bad line, one line each (file:line: field 'x': why), and
+writes the bad lines with all their errors to a quarantine file; `--audit` then audits the snapshot in the sandbox.
 `verify` prints one JSON line per completion: task_id, metrics, reward, env_error. The
 reward is `ratchet.reward.score` under the task's reward_logic and the default RewardConfig.
 
