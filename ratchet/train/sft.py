@@ -53,9 +53,10 @@ def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_siz
 def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str]]:
     """(prompt, reference) for a `fraction` of the tasks, drawn alike from every difficulty,
     so the base policy has seen every output shape (RL does not discover shapes it never
-    produces) but solves few tasks: the rest is left to RL."""
+    produces) but solves few tasks: the rest is left to RL. Tasks without a reference are skipped."""
     rng = random.Random(f"demos:{seed}")
-    return [(s.prompt, s.reference_solution) for s in specs if rng.random() < fraction]
+    return [(s.prompt, s.reference_solution) for s in specs
+            if rng.random() < fraction and s.reference_solution is not None]
 
 
 def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
@@ -63,7 +64,7 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
     Hugging Face layout under `out_dir`. Returns the SFT losses."""
     from ratchet.model import build_model, build_tokenizer, save_policy
 
-    corpus = [s.prompt + s.reference_solution for s in specs]
+    corpus = [s.prompt + (s.reference_solution or "") for s in specs]
     tokenizer = build_tokenizer(corpus, cfg.vocab_size)
     model = build_model(cfg, tokenizer)
     losses = sft(model, tokenizer, demonstrations(specs, cfg.sft_fraction, cfg.seed), cfg.sft_steps,

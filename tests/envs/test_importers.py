@@ -1,4 +1,5 @@
-"""Users' task files: bad lines get one clear error each and are quarantined; good ones are kept.
+"""Users' task files: the DESIGN.md task-feedback object imports as written; a bad line gets
+every error at once (line and field path) and is quarantined; good ones are kept.
 HumanEval's 164 problems import and pass the audit (canonical solutions pass, trivial answers fail)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import time
 
 from typer.testing import CliRunner
 
-from envs.importers import humaneval_path, parse_lines, read_tasks, write_quarantine
+from envs.importers import default_split, humaneval_path, parse_lines, read_tasks, write_quarantine
 from ratchet.audit import audit
 from ratchet.cli import app as ratchet_app
 from ratchet.config import AuditConfig
@@ -20,18 +21,107 @@ GOOD = {"task_id": "t1", "prompt": "def f(x):\n", "reference_solution": "    ret
         "tests": [{"args": "[1]", "expected": "2"}, {"args": "[5]", "expected": "6"}]}
 
 
+# DESIGN.md, "Task spec", verbatim: the field's task-feedback object (no prompt, no reference).
+DESIGN_EXAMPLE = """{
+  "task_id": "complex_code_refactor_01",
+  "environment_config": {"runtime": "python3.11", "dependencies": ["pytest==9.2.0"]},
+  "execution_steps": [
+    {"action": "overwrite_file", "path": "/app/main.py", "content": "<model_generated_code>"},
+    {"action": "run_command", "command": "pytest /app/tests/ --json-report"}
+  ],
+  "reward_logic": {
+    "type": "composite",
+    "rules": [
+      {"metric": "test_pass_rate", "weight": 0.7, "aggregation": "max"},
+      {"metric": "execution_time_ms", "weight": 0.3, "aggregation": "min", "threshold": 5000}
+    ]
+  }
+}"""
+DESIGN_LINE = DESIGN_EXAMPLE.replace("\n", " ")      # one JSONL line, the text otherwise untouched
+
+
 def lines(*objs) -> list[str]:
     return [o if isinstance(o, str) else json.dumps(o) for o in objs]
 
 
-def test_bad_lines_each_get_one_error_naming_line_and_field():
-    missing = {k: v for k, v in GOOD.items() if k != "prompt"} | {"task_id": "t2"}
+def test_design_md_example_imports_verbatim():
+    res = parse_lines([DESIGN_LINE], source="tasks.jsonl")
+    assert not res.bad, [b.message() for b in res.bad]
+    (spec,) = res.specs
+    assert spec.task_id == "complex_code_refactor_01" and res.lines == [1]
+    assert spec.prompt == "Write /app/main.py so that `pytest /app/tests/ --json-report` passes."
+    assert spec.reference_solution is None and spec.files == {} and spec.test_files == {}
+    assert (spec.family, spec.difficulty, spec.split) == ("imported", 1, default_split("complex_code_refactor_01"))
+    assert spec.environment_config.dependencies == ("pytest==9.2.0",)
+    assert [(r.metric, r.weight, r.threshold) for r in spec.reward_logic.rules] == [
+        ("test_pass_rate", 0.7, None), ("execution_time_ms", 0.3, 5000.0)]
+    assert spec.with_completion("print(1)\n")[0].content == "print(1)\n"
+
+
+def test_defaults_the_line_can_override():
+    obj = json.loads(DESIGN_EXAMPLE)
+    files = {"/app/util.py": "X = 1\n", "/app/tests/test_main.py": "from main import f\n"}
+    res = parse_lines(lines(obj | {"task_id": "a", "files": files},
+                            obj | {"task_id": "b", "instructions": "Refactor main.py.", "split": "heldout",
+                                   "reference_solution": "print(2)\n", "family": "mine", "difficulty": 3},
+                            obj | {"task_id": "c", "prompt": "P", "instructions": "I"}))
+    a, b = res.specs
+    assert a.prompt == ("Write /app/main.py so that `pytest /app/tests/ --json-report` passes.\n\nStarting files:\n\n"
+                        "/app/tests/test_main.py:\n```\nfrom main import f\n```\n\n/app/util.py:\n```\nX = 1\n```")
+    assert (b.prompt, b.split, b.reference_solution, b.family, b.difficulty) == (
+        "Refactor main.py.", "heldout", "print(2)\n", "mine", 3)
+    assert [(x.line, x.field) for x in res.bad] == [(3, "instructions")]
+    # split: the caller's when the line names none; else a stable hash of the task_id, ~1 in 10 held out
+    assert parse_lines(lines(obj), split="heldout").specs[0].split == "heldout"
+    held = [default_split(f"task-{i}") for i in range(2000)].count("heldout")
+    assert 140 < held < 260 and default_split("task-7") == default_split("task-7")
+
+
+def test_a_line_missing_three_fields_names_all_three():
+    obj = {k: v for k, v in json.loads(DESIGN_EXAMPLE).items() if k not in ("task_id", "execution_steps")}
+    obj["reward_logic"]["rules"][1].pop("metric")
+    (bad,) = parse_lines(lines(obj), source="tasks.jsonl").bad
+    assert [f for f, _ in bad.errors] == ["task_id", "execution_steps", "reward_logic.rules.1.metric"]
+    assert bad.message().splitlines() == [f"tasks.jsonl:1: field {f!r}: Field required"
+                                          for f in ("task_id", "execution_steps", "reward_logic.rules.1.metric")]
+    he = {"prompt": "def g(a):\n", "canonical_solution": "    return a\n"}
+    (bad,) = parse_lines(lines(he), fmt="humaneval").bad
+    assert [f for f, _ in bad.errors] == ["task_id", "test", "entry_point"]
+
+
+def test_a_wrong_type_names_the_nested_field_path():
+    obj = json.loads(DESIGN_EXAMPLE)
+    obj["reward_logic"]["rules"][0]["weight"] = "heavy"
+    obj["execution_steps"][1]["command"] = 5            # inside a step: the union's tag is not in the path
+    (bad,) = parse_lines(lines(obj), source="tasks.jsonl").bad
+    msgs = bad.message().splitlines()
+    assert [f for f, _ in bad.errors] == ["execution_steps.1.command", "reward_logic.rules.0.weight"]
+    assert msgs[1].startswith("tasks.jsonl:1: field 'reward_logic.rules.0.weight': Input should be a valid number")
+    assert '(got "heavy")' in msgs[1] and msgs[0].startswith("tasks.jsonl:1: field 'execution_steps.1.command': ")
+
+
+def test_good_lines_around_a_bad_line_are_kept_and_the_bad_one_quarantined_whole(tmp_path):
+    obj = json.loads(DESIGN_EXAMPLE)
+    bad = {k: v for k, v in obj.items() if k != "execution_steps"} | {"task_id": "x", "difficulty": 0}
+    res = parse_lines([DESIGN_LINE, "", json.dumps(bad), json.dumps(obj | {"task_id": "y"})], source="t.jsonl")
+    assert [s.task_id for s in res.specs] == ["complex_code_refactor_01", "y"] and res.lines == [1, 4]
+    assert [(b.line, [f for f, _ in b.errors]) for b in res.bad] == [(3, ["difficulty", "execution_steps"])]
+    q = tmp_path / "q.jsonl"
+    write_quarantine(q, res.bad)
+    (row,) = [json.loads(x) for x in q.read_text().splitlines()]
+    assert row["line"] == 3 and json.loads(row["raw"]) == bad
+    assert [e["field"] for e in row["errors"]] == ["difficulty", "execution_steps"]
+    assert row["message"].splitlines()[1] == "t.jsonl:3: field 'execution_steps': Field required"
+
+
+def test_bad_lines_each_get_an_error_naming_line_and_field():
+    missing = {k: v for k, v in GOOD.items() if k != "execution_steps"} | {"task_id": "t2"}
     wrong_type = GOOD | {"task_id": "t3", "difficulty": "hard"}
     bad_step = GOOD | {"task_id": "t4", "execution_steps": [{"action": "teleport"}]}
     res = parse_lines(lines(GOOD, '{"task_id": "t9", ', missing, wrong_type, "", "[1, 2]", GOOD, bad_step,
                             GOOD | {"task_id": "t5"}), source="u.jsonl")
     assert [s.task_id for s in res.specs] == ["t1", "t5"] and res.lines == [1, 9]
-    assert [(b.line, b.field) for b in res.bad] == [(2, "(json)"), (3, "prompt"), (4, "difficulty"), (6, "(line)"),
+    assert [(b.line, b.field) for b in res.bad] == [(2, "(json)"), (3, "execution_steps"), (4, "difficulty"), (6, "(line)"),
                                                      (7, "task_id"), (8, "execution_steps.0")]
     msgs = [b.message() for b in res.bad]
     assert msgs[0].startswith("u.jsonl:2: field '(json)': malformed JSON")
@@ -50,7 +140,7 @@ def test_humaneval_fields_and_quarantine_file(tmp_path):
     q = tmp_path / "q.jsonl"
     write_quarantine(q, res.bad)
     rows = [json.loads(x) for x in q.read_text().splitlines()]
-    assert [r["line"] for r in rows] == [2, 3] and rows[0]["raw"].startswith("{") and rows[1]["field"] == "entry_point"
+    assert [r["line"] for r in rows] == [2, 3] and rows[0]["raw"].startswith("{") and rows[1]["errors"][0]["field"] == "entry_point"
 
 
 def test_cli_import_and_verify(tmp_path):
