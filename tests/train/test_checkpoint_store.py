@@ -188,3 +188,22 @@ def test_save_leaves_no_temp_dir_behind(tmp_path, monkeypatch, fail_in):
         save_checkpoint(store, "r", 1, write)
     assert list(tmproot.iterdir()) == []
     assert store.get_pointer(latest_key("r")) is None
+
+
+def test_a_writer_whose_lease_was_taken_over_does_not_move_latest(tmp_path):
+    from ratchet.store.lease import LeaseLost, RunLease
+
+    store = open_store(str(tmp_path / "s"))
+    now = [0.0]
+    clock, sleep = (lambda: now[0]), (lambda s: None)
+    mine = RunLease(store, "r", owner="old", ttl_s=60, clock=clock, sleep=sleep).acquire()
+    save_checkpoint(store, "r", 1, _write("one"), lease=mine)
+
+    def slow_write(d: Path):                 # paused past ttl while writing: someone else takes over
+        _write("two")(d)
+        now[0] += 61
+        RunLease(store, "r", owner="new", ttl_s=60, clock=clock, sleep=sleep).acquire()
+
+    with pytest.raises(LeaseLost, match="taken over by owner 'new'"):
+        save_checkpoint(store, "r", 2, slow_write, lease=mine)
+    assert store.get_pointer(latest_key("r")).key.endswith("000001/MANIFEST.json")
