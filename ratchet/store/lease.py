@@ -164,7 +164,7 @@ class RunLease:
             rec = self._read()
             if rec is None or rec["token"] != self.token:
                 self.held = False
-                whom = "deleted" if rec is None else \
+                whom = "deleted (or made unreadable)" if rec is None else \
                     f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
                 raise LeaseLost(f"run {self.run_id!r}: the lease of {self.owner!r} was {whom}; "
                                 f"stop writing, another writer owns this run now")

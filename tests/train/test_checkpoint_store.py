@@ -136,7 +136,8 @@ def test_partial_folders_are_cleaned(tmp_path):
 
 def test_latest_never_moves_backwards(tmp_path):
     store = _two_checkpoints(tmp_path)
-    with pytest.raises(CheckpointBehindLatest, match=r"version 1 because LATEST points at .*000002.*never moves backwards"):
+    behind = r"version 1 because LATEST points at .*000002.*never moves backwards"
+    with pytest.raises(CheckpointBehindLatest, match=behind):
         save_checkpoint(store, "r", 1, _write("stale"))
     assert store.get_pointer(latest_key("r")).key.endswith("000002/MANIFEST.json")
     assert store.get_bytes("runs/r/checkpoints/000001/weights.bin").startswith(b"one")   # not overwritten
