@@ -7,6 +7,7 @@
 
 Backends: `LocalStore` (local directory, the default) and `S3Store` (MinIO / any S3, on the
 `minio` client). Both keep a sha256 with every object and verify it on the way back.
+`RunLease` (lease.py) keeps one writer per run id on either backend.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import threading
 
 from ratchet.store.base import MANIFEST, ArtifactStore, IntegrityError, Ref, _known_root, validate_key
+from ratchet.store.lease import LeaseHeld, LeaseLost, RunLease
 from ratchet.store.local import LocalStore
 from ratchet.store.s3 import S3Store
 
 __all__ = [
-    "ArtifactStore", "IntegrityError", "LocalStore", "MANIFEST", "Ref", "S3Store",
+    "ArtifactStore", "IntegrityError", "LeaseHeld", "LeaseLost", "LocalStore", "MANIFEST", "Ref", "RunLease",
+    "S3Store",
     "open_store", "store_for", "validate_key",
 ]
 

@@ -1,4 +1,4 @@
-"""Checkpoints: complete, atomic, verified.
+"""Checkpoints: complete, atomic, verified, never lost and never moved backwards.
 
 Layout in the store (DESIGN.md):
 
@@ -8,20 +8,50 @@ Layout in the store (DESIGN.md):
     runs/<run_id>/checkpoints/<version>/MANIFEST.json  sha256 of every file, written last
     runs/<run_id>/checkpoints/LATEST                   pointer to the manifest, written after it
 
-A checkpoint without a manifest was interrupted and does not exist. Loading verifies every
-file's sha256; a corrupt checkpoint is reported and the previous good one is used.
+A checkpoint without a manifest was interrupted and does not exist (`clean_partial` removes
+its files). Loading verifies every file's sha256; a corrupt checkpoint, or a LATEST that is
+garbage, is reported and the newest checkpoint that verifies is used instead. If checkpoints
+exist but none verifies, `load_latest` raises `NoUsableCheckpoint` rather than let the run
+start afresh over them. LATEST never moves to an older version.
+
+At the start of a run, holding its lease (ratchet/store/lease.py):
+
+    removed = clean_partial(store, run_id)          # leftovers of an interrupted save
+    found = load_latest(store, run_id, dest)        # None: fresh run; NoUsableCheckpoint: stop
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
-from ratchet.store import ArtifactStore, IntegrityError, Ref
+from ratchet.store import MANIFEST, ArtifactStore, IntegrityError, Ref
 
 log = logging.getLogger(__name__)
+
+_UNUSABLE = (IntegrityError, FileNotFoundError, ValueError, KeyError, TypeError, AttributeError)
+"""What bad stored data raises (ValueError covers JSON, UTF-8 and pydantic errors). Transport
+errors (S3Error, OSError other than FileNotFoundError) are not among them: an unreachable store
+must stop the run, not make it skip to an older checkpoint."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """The run has checkpoints (or a LATEST) but none of them verifies."""
+
+    def __init__(self, run_id: str, root_uri: str, rejected: list[tuple[str, str]]):
+        self.run_id, self.rejected = run_id, rejected
+        why = "; ".join(f"{what}: {reason}" for what, reason in rejected)
+        super().__init__(
+            f"run {run_id!r} in {root_uri} has checkpoints but none is usable, so it can neither resume "
+            f"nor safely start afresh. Rejected: {why}. Restore a good copy of runs/{run_id}/checkpoints/ "
+            f"or start a new run id."
+        )
+
+
+class CheckpointBehindLatest(ValueError):
+    """A save would move LATEST to an older version."""
 
 
 def checkpoint_prefix(run_id: str, version: int) -> str:
@@ -32,12 +62,79 @@ def latest_key(run_id: str) -> str:
     return f"runs/{run_id}/checkpoints/LATEST"
 
 
-def save_checkpoint(store: ArtifactStore, run_id: str, version: int, write_files) -> Ref:
+def _manifest_key(run_id: str, version: int) -> str:
+    return f"{checkpoint_prefix(run_id, version)}/{MANIFEST}"
+
+
+def _version_of(run_id: str, manifest_key: str) -> int | None:
+    """The version a manifest key belongs to, or None if it is not a manifest of this run."""
+    base = f"runs/{run_id}/checkpoints/"
+    folder, _, name = manifest_key[len(base):].partition("/")
+    if manifest_key.startswith(base) and name == MANIFEST and folder.isdigit():
+        return int(folder)
+    return None
+
+
+def _read_latest(store: ArtifactStore, run_id: str) -> tuple[Ref | None, str | None]:
+    """(target, None) for a usable LATEST, (None, None) when there is none, (None, why) for garbage."""
+    key = latest_key(run_id)
+    try:
+        ref = store.get_pointer(key)
+    except FileNotFoundError:  # deleted between exists() and the read
+        return None, None
+    except _UNUSABLE as e:
+        return None, f"{key} is not a readable pointer ({type(e).__name__}: {e})"
+    if ref is None:
+        return None, None
+    if _version_of(run_id, ref.key) is None:
+        return None, f"{key} points at {ref.key!r}, which is not a checkpoint manifest of run {run_id!r}"
+    if not store.exists(ref.key):
+        return None, f"{key} points at {ref.key!r}, which is not in the store"
+    return ref, None
+
+
+def _latest_version(store: ArtifactStore, run_id: str) -> tuple[int | None, str]:
+    """The version LATEST points to (or, if LATEST is garbage, the newest complete one), and why."""
+    ref, problem = _read_latest(store, run_id)
+    if ref is not None:
+        return _version_of(run_id, ref.key), f"LATEST points at {ref.key}"
+    versions = checkpoint_versions(store, run_id) if problem else []
+    if not versions:
+        return None, ""
+    return versions[0], f"LATEST is unusable and the newest complete checkpoint is {versions[0]:06d}"
+
+
+def _refuse_if_behind(store: ArtifactStore, run_id: str, version: int) -> None:
+    latest, why = _latest_version(store, run_id)
+    if latest is not None and version < latest:
+        raise CheckpointBehindLatest(
+            f"run {run_id!r}: refusing to save checkpoint version {version} because {why} (version {latest}) "
+            f"and LATEST never moves backwards. This writer is behind the run: another writer is active, "
+            f"or it did not resume from LATEST. Resume with load_latest() instead."
+        )
+
+
+def save_checkpoint(store: ArtifactStore, run_id: str, version: int, write_files, lease=None) -> Ref:
     """`write_files(dir)` writes the checkpoint's files; they are uploaded with a manifest,
-    then LATEST is pointed at it. Returns the manifest's Ref."""
-    with tempfile.TemporaryDirectory(prefix="ratchet-ckpt-") as tmp:
+    then LATEST is pointed at it. Returns the manifest's Ref.
+
+    Raises CheckpointBehindLatest if `version` is older than the one LATEST points to (checked
+    before the upload and again before LATEST is moved). Saving LATEST's own version again (a
+    retried task) is allowed. `lease` (a held `RunLease`) is renewed before the upload and
+    before LATEST moves, so a writer whose lease was taken over stops with LeaseLost.
+    The local temp directory is removed whatever happens; an interrupted upload leaves a
+    folder without a manifest, which `clean_partial` removes."""
+    if version < 0:
+        raise ValueError(f"run {run_id!r}: checkpoint version must be >= 0, got {version}")
+    _refuse_if_behind(store, run_id, version)
+    if lease is not None:
+        lease.heartbeat()
+    with tempfile.TemporaryDirectory(prefix="ratchet-ckpt-") as tmp:  # removed on any exception too
         write_files(Path(tmp))
         ref = store.put_dir(checkpoint_prefix(run_id, version), tmp)
+    _refuse_if_behind(store, run_id, version)  # LATEST may have moved during a long upload
+    if lease is not None:
+        lease.heartbeat()
     store.set_pointer(latest_key(run_id), ref)
     return ref
 
@@ -46,10 +143,32 @@ def checkpoint_versions(store: ArtifactStore, run_id: str) -> list[int]:
     """Versions that have a manifest (complete checkpoints), newest first."""
     versions = set()
     for key in store.list(f"runs/{run_id}/checkpoints/"):
-        parts = key.split("/")
-        if len(parts) == 5 and parts[4] == "MANIFEST.json" and parts[3].isdigit():
-            versions.add(int(parts[3]))
+        v = _version_of(run_id, key)
+        if v is not None:
+            versions.add(v)
     return sorted(versions, reverse=True)
+
+
+def clean_partial(store: ArtifactStore, run_id: str) -> list[str]:
+    """Delete the files of checkpoint folders that have no MANIFEST.json (interrupted saves);
+    return the deleted keys, sorted. Call it at the start of a run while holding the run's
+    lease: a save in progress has no manifest yet either, and would be deleted under its writer."""
+    base = f"runs/{run_id}/checkpoints/"
+    folders: dict[str, list[str]] = {}
+    for key in store.list(base):
+        folder, sep, _ = key[len(base):].partition("/")
+        if sep and folder.isdigit():
+            folders.setdefault(folder, []).append(key)
+    removed = []
+    for folder, keys in sorted(folders.items()):
+        if f"{base}{folder}/{MANIFEST}" not in keys:
+            for key in keys:
+                store.delete(key)
+            removed.extend(keys)
+    if removed:
+        log.warning("run %r: removed %d file(s) of interrupted checkpoint(s) %s", run_id, len(removed),
+                    sorted({k[len(base):].split("/")[0] for k in removed}))
+    return sorted(removed)
 
 
 def load_checkpoint(store: ArtifactStore, ref: Ref, dest: Path) -> Path:
@@ -58,19 +177,30 @@ def load_checkpoint(store: ArtifactStore, ref: Ref, dest: Path) -> Path:
 
 
 def load_latest(store: ArtifactStore, run_id: str, dest: Path) -> tuple[Ref, Path] | None:
-    """The newest good checkpoint of a run: LATEST first, then older ones if it is corrupt."""
-    candidates: list[Ref] = []
-    pointer = store.get_pointer(latest_key(run_id))
-    if pointer is not None:
-        candidates.append(pointer)
-    for v in checkpoint_versions(store, run_id):
-        key = f"{checkpoint_prefix(run_id, v)}/MANIFEST.json"
-        if pointer is None or key != pointer.key:
-            candidates.append(store.ref(key))
-    for ref in candidates:
-        target = dest / ref.key.split("/")[-2]
+    """The newest good checkpoint of a run, downloaded to `dest/<version>`: LATEST's target
+    first, then the others newest first. None only if the run has no checkpoint at all (and
+    no LATEST); NoUsableCheckpoint if it has some but none verifies. Writes nothing to the store."""
+    pointer, problem = _read_latest(store, run_id)
+    rejected: list[tuple[str, str]] = []
+    if problem:
+        log.warning("run %r: %s; falling back to the newest checkpoint whose manifest verifies", run_id, problem)
+        rejected.append(("LATEST", problem))
+    candidates: list[str] = [pointer.key] if pointer is not None else []
+    candidates += [_manifest_key(run_id, v) for v in checkpoint_versions(store, run_id)]
+    for i, key in enumerate(candidates):
+        name = key.split("/")[-2]
+        target = Path(dest) / name
         try:
+            ref = pointer if i == 0 and pointer is not None else store.ref(key)
+            if i > 0 and pointer is not None and ref == pointer:
+                continue  # the same manifest LATEST named: already tried
             return ref, load_checkpoint(store, ref, target)
-        except (IntegrityError, FileNotFoundError, KeyError, json.JSONDecodeError) as e:
-            log.warning("checkpoint %s is unusable (%s); falling back to the previous one", ref.uri, e)
+        except _UNUSABLE as e:
+            shutil.rmtree(target, ignore_errors=True)  # no half-verified files left in dest
+            log.warning("checkpoint %s of run %r is unusable (%s: %s); falling back to the previous one",
+                        name, run_id, type(e).__name__, e)
+            rejected.append((f"{name}{' (via LATEST)' if i == 0 and pointer is not None else ''}",
+                             f"{type(e).__name__}: {e}"))
+    if rejected:
+        raise NoUsableCheckpoint(run_id, store.root_uri, rejected)
     return None

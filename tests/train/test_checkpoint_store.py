@@ -1,9 +1,20 @@
-"""Checkpoints in the store: manifest last, LATEST after it, corruption detected and skipped."""
+"""Checkpoints in the store: manifest last, LATEST after it, corruption detected and skipped,
+garbage LATEST survived, partial folders cleaned, LATEST never moved backwards.
 
+    .venv/bin/pytest -q tests/train/test_checkpoint_store.py
+"""
+
+import json
+import tempfile
 from pathlib import Path
 
+import pytest
+
 from ratchet.store import open_store
-from ratchet.train.checkpoint import checkpoint_versions, latest_key, load_latest, save_checkpoint
+from ratchet.train.checkpoint import (
+    CheckpointBehindLatest, NoUsableCheckpoint, checkpoint_versions, clean_partial, latest_key, load_latest,
+    save_checkpoint,
+)
 
 
 def _write(text):
@@ -42,3 +53,158 @@ def test_corrupt_latest_falls_back_to_the_previous_good_one(tmp_path, caplog):
 
 def test_no_checkpoint_is_none(tmp_path):
     assert load_latest(open_store(str(tmp_path / "s")), "nope", tmp_path / "dl") is None
+
+
+# --- a run that fails safely ------------------------------------------------------------
+
+def _two_checkpoints(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    save_checkpoint(store, "r", 1, _write("one"))
+    save_checkpoint(store, "r", 2, _write("two"))
+    return store
+
+
+GARBAGE_LATEST = {
+    "not json": (b"{not json", "JSONDecodeError"),
+    "wrong shape": (json.dumps(["a", "list"]).encode(), "not a ratchet pointer"),
+    "missing field": (json.dumps({"format": "ratchet-pointer/1", "sha256": "0", "size": 1}).encode(), "KeyError"),
+    "missing target": (json.dumps({"format": "ratchet-pointer/1", "key": "runs/r/checkpoints/000009/MANIFEST.json",
+                                   "sha256": "0" * 64, "size": 1}).encode(), "which is not in the store"),
+    "another run": (json.dumps({"format": "ratchet-pointer/1", "key": "runs/other/checkpoints/000002/MANIFEST.json",
+                                "sha256": "0" * 64, "size": 1}).encode(), "not a checkpoint manifest of run 'r'"),
+}
+
+
+@pytest.mark.parametrize("case", list(GARBAGE_LATEST))
+def test_garbage_latest_falls_back_to_the_newest_good_checkpoint(tmp_path, caplog, case):
+    store = _two_checkpoints(tmp_path)
+    data, why = GARBAGE_LATEST[case]
+    store.put_bytes(latest_key("r"), data)
+    got, path = load_latest(store, "r", tmp_path / "dl")
+    assert got.key == "runs/r/checkpoints/000002/MANIFEST.json"
+    assert (path / "weights.bin").read_bytes().startswith(b"two")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and why in warnings[0] and "LATEST" in warnings[0]
+
+
+def test_latest_with_rotten_bytes_falls_back(tmp_path, caplog):
+    store = _two_checkpoints(tmp_path)
+    store.path(latest_key("r")).write_bytes(b"\xff\xfe")   # bytes no longer match the stored sha256
+    got, _ = load_latest(store, "r", tmp_path / "dl")
+    assert got.key.endswith("000002/MANIFEST.json") and "IntegrityError" in caplog.text
+
+
+def test_all_corrupt_raises_naming_each_rejection_and_writes_nothing(tmp_path):
+    store = _two_checkpoints(tmp_path)
+    for v in ("000001", "000002"):
+        store.path(f"runs/r/checkpoints/{v}/weights.bin").write_bytes(b"bit rot")
+    before = {k: store.ref(k).sha256 for k in store.list()}
+    with pytest.raises(NoUsableCheckpoint) as e:
+        load_latest(store, "r", tmp_path / "dl")
+    msg = str(e.value)
+    assert "'r'" in msg and store.root_uri in msg
+    assert [what for what, _ in e.value.rejected] == ["000002 (via LATEST)", "000001"]
+    assert all("IntegrityError" in why and "weights.bin" in why for _, why in e.value.rejected)
+    assert {k: store.ref(k).sha256 for k in store.list()} == before   # the store is untouched
+    assert list((tmp_path / "dl").iterdir()) == []                     # no half-verified files either
+
+
+def test_garbage_latest_and_no_checkpoint_is_not_a_fresh_run(tmp_path):
+    store = open_store(str(tmp_path / "s"))
+    store.put_bytes(latest_key("r"), b"garbage")
+    with pytest.raises(NoUsableCheckpoint, match="LATEST"):
+        load_latest(store, "r", tmp_path / "dl")
+
+
+def test_partial_folders_are_cleaned(tmp_path):
+    store = _two_checkpoints(tmp_path)
+    store.put_bytes("runs/r/checkpoints/000003/weights.bin", b"half")       # interrupted before its manifest
+    store.put_bytes("runs/r/checkpoints/000003/sub/ledger.json", b"{}")
+    store.put_bytes("runs/r/checkpoints/000000/weights.bin", b"half")
+    store.put_bytes("runs/other/checkpoints/000005/weights.bin", b"another run's")
+    assert clean_partial(store, "r") == [
+        "runs/r/checkpoints/000000/weights.bin",
+        "runs/r/checkpoints/000003/sub/ledger.json",
+        "runs/r/checkpoints/000003/weights.bin",
+    ]
+    assert store.list("runs/r/checkpoints/") == sorted(
+        [latest_key("r")] + [f"runs/r/checkpoints/00000{v}/{f}" for v in (1, 2)
+                             for f in ("MANIFEST.json", "ledger.json", "weights.bin")])
+    assert store.exists("runs/other/checkpoints/000005/weights.bin")
+    assert clean_partial(store, "r") == []
+
+
+def test_latest_never_moves_backwards(tmp_path):
+    store = _two_checkpoints(tmp_path)
+    behind = r"version 1 because LATEST points at .*000002.*never moves backwards"
+    with pytest.raises(CheckpointBehindLatest, match=behind):
+        save_checkpoint(store, "r", 1, _write("stale"))
+    assert store.get_pointer(latest_key("r")).key.endswith("000002/MANIFEST.json")
+    assert store.get_bytes("runs/r/checkpoints/000001/weights.bin").startswith(b"one")   # not overwritten
+    ref = save_checkpoint(store, "r", 2, _write("again"))       # the same version again (a retried task)
+    assert store.get_pointer(latest_key("r")) == ref
+    save_checkpoint(store, "r", 3, _write("three"))
+    assert checkpoint_versions(store, "r") == [3, 2, 1]
+
+
+def test_latest_moved_during_the_upload_is_not_moved_back(tmp_path):
+    store = _two_checkpoints(tmp_path)
+
+    def racing_write(d: Path):
+        _write("mine")(d)
+        save_checkpoint(store, "r", 4, _write("other writer"))   # someone else gets further meanwhile
+
+    with pytest.raises(CheckpointBehindLatest, match="version 3"):
+        save_checkpoint(store, "r", 3, racing_write)
+    assert store.get_pointer(latest_key("r")).key.endswith("000004/MANIFEST.json")
+
+
+def test_garbage_latest_guards_with_the_newest_complete_version(tmp_path):
+    store = _two_checkpoints(tmp_path)
+    store.put_bytes(latest_key("r"), b"garbage")
+    with pytest.raises(CheckpointBehindLatest, match="newest complete checkpoint is 000002"):
+        save_checkpoint(store, "r", 1, _write("stale"))
+    save_checkpoint(store, "r", 3, _write("three"))       # a newer version repairs LATEST
+    assert store.get_pointer(latest_key("r")).key.endswith("000003/MANIFEST.json")
+
+
+@pytest.mark.parametrize("fail_in", ["write_files", "upload"])
+def test_save_leaves_no_temp_dir_behind(tmp_path, monkeypatch, fail_in):
+    tmproot = tmp_path / "tmp"
+    tmproot.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmproot))
+    store = open_store(str(tmp_path / "s"))
+
+    def write(d: Path):
+        _write("x")(d)
+        (d / "sub").mkdir()
+        (d / "sub" / "f").write_bytes(b"1")
+        (d / "sub").chmod(0o500)          # a read-only folder must not defeat the cleanup
+        if fail_in == "write_files":
+            raise RuntimeError("disk full")
+
+    if fail_in == "upload":
+        monkeypatch.setattr(store, "put_dir", lambda *a: (_ for _ in ()).throw(OSError("connection reset")))
+    with pytest.raises((RuntimeError, OSError)):
+        save_checkpoint(store, "r", 1, write)
+    assert list(tmproot.iterdir()) == []
+    assert store.get_pointer(latest_key("r")) is None
+
+
+def test_a_writer_whose_lease_was_taken_over_does_not_move_latest(tmp_path):
+    from ratchet.store.lease import LeaseLost, RunLease
+
+    store = open_store(str(tmp_path / "s"))
+    now = [0.0]
+    clock, sleep = (lambda: now[0]), (lambda s: None)
+    mine = RunLease(store, "r", owner="old", ttl_s=60, clock=clock, sleep=sleep).acquire()
+    save_checkpoint(store, "r", 1, _write("one"), lease=mine)
+
+    def slow_write(d: Path):                 # paused past ttl while writing: someone else takes over
+        _write("two")(d)
+        now[0] += 61
+        RunLease(store, "r", owner="new", ttl_s=60, clock=clock, sleep=sleep).acquire()
+
+    with pytest.raises(LeaseLost, match="taken over by owner 'new'"):
+        save_checkpoint(store, "r", 2, slow_write, lease=mine)
+    assert store.get_pointer(latest_key("r")).key.endswith("000001/MANIFEST.json")

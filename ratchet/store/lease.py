@@ -1,0 +1,227 @@
+"""One writer per run: a lease record in the store, renewed by heartbeats.
+
+    from ratchet.store.lease import RunLease, LeaseHeld, LeaseLost
+    with RunLease(store, run_id, owner=flow_run_id, ttl_s=60) as lease:   # LeaseHeld if taken
+        lease.start_heartbeat()          # a daemon thread renews every ttl_s / 3 ...
+        ...                              # ... or call lease.heartbeat() between steps yourself
+        save_checkpoint(store, run_id, version, write, lease=lease)       # renews; LeaseLost if taken over
+        lease.check()                    # LeaseLost if the background beat found a takeover
+
+The record is `runs/<run_id>/LEASE` (JSON: owner, token, host, pid, acquired_at, heartbeat_at,
+ttl_s). A lease whose heartbeat is more than its ttl_s old is stale: its holder is presumed
+dead, and the next `acquire()` takes it over. `heartbeat()` of the old holder then raises
+`LeaseLost`, so a paused process that wakes up stops writing instead of racing the new one.
+
+How acquisition is made safe without conditional writes. Neither backend offers an atomic
+"create if absent" through this store (the minio client cannot send If-None-Match), only an
+atomic whole-object put, so `acquire()` is Fischer's timed mutual exclusion (Lamport, "A fast
+mutual exclusion algorithm", ACM TOCS 1987, which credits it to Fischer):
+
+    1. read the record; refuse (LeaseHeld) if another owner's heartbeat is fresh
+    2. write our record (a new random token)                   the newest record wins
+    3. wait settle_s, then read the record back                 ours: we hold it; else LeaseHeld
+
+Two contenders that both saw the lease free in (1) both write in (2); whichever wrote last
+finds its own token in (3), the other finds the winner's and backs off, provided each
+contender's step (1) -> (2) takes less than settle_s. What is NOT covered, honestly:
+- a contender that stalls between (1) and (2) for longer than settle_s (a GC pause, a slow
+  request) can overwrite a lease already won: both believe they hold it until the loser's next
+  `heartbeat()`, which finds the other token and raises LeaseLost. The overlap lasts at most
+  one heartbeat interval; `save_checkpoint(..., lease=)` renews right before moving LATEST.
+- a holder whose lease went stale (paused > ttl_s) may renew in the instant after a takeover
+  and overwrite the new record; then the new holder's next heartbeat raises LeaseLost. Again
+  exactly one survives, after at most one interval.
+- staleness compares the holder's clock (heartbeat_at) with the contender's: keep ttl_s far
+  above the clock skew between machines (NTP: milliseconds; ttl: a minute).
+- `release()` reads then deletes: a takeover in between (only of a stale lease) is deleted.
+Stores: S3 (and MinIO) give read-after-write consistency and last-writer-wins puts of one key;
+the local store replaces files atomically. Tests inject `clock` and `sleep` instead of waiting.
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from ratchet.store.base import ArtifactStore, IntegrityError
+
+log = logging.getLogger(__name__)
+
+LEASE_FORMAT = "ratchet-lease/1"
+
+
+def lease_key(run_id: str) -> str:
+    return f"runs/{run_id}/LEASE"
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _who(rec: dict[str, Any]) -> str:
+    return f"owner {rec.get('owner')!r} (host {rec.get('host')}, pid {rec.get('pid')})"
+
+
+class LeaseHeld(RuntimeError):
+    """Another live owner holds the run's lease."""
+
+    def __init__(self, run_id: str, holder: dict[str, Any], now: float, lost_race: bool = False):
+        self.run_id, self.holder = run_id, holder
+        beat, ttl = float(holder["heartbeat_at"]), float(holder.get("ttl_s", 0))
+        how = "another writer won the race for" if lost_race else "another writer holds"
+        super().__init__(
+            f"run {run_id!r}: {how} its lease: {_who(holder)}, heartbeat last seen {now - beat:.1f} s ago "
+            f"({_when(beat)}); it goes stale {max(0.0, beat + ttl - now):.1f} s from now (ttl {ttl:g} s). "
+            f"Stop that run, or wait for it to end or go stale."
+        )
+
+
+class LeaseLost(RuntimeError):
+    """This owner's lease was taken over (or deleted): stop writing to the run."""
+
+
+class RunLease:
+    """The lease on `runs/<run_id>/` for one owner. See the module docstring for the protocol."""
+
+    def __init__(self, store: ArtifactStore, run_id: str, owner: str | None = None, ttl_s: float = 60.0,
+                 settle_s: float = 1.0, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
+        if ttl_s <= 0 or settle_s < 0:
+            raise ValueError(f"RunLease: ttl_s must be > 0 and settle_s >= 0, got {ttl_s}, {settle_s}")
+        self.store, self.run_id, self.key = store, run_id, lease_key(run_id)
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.owner = owner or f"{getpass.getuser()}@{self.host}:{self.pid}"
+        self.ttl_s, self.settle_s, self._clock, self._sleep = float(ttl_s), float(settle_s), clock, sleep
+        self.token = uuid.uuid4().hex
+        self.held = False
+        self._acquired_at: float | None = None
+        self._mutex = threading.Lock()   # the background beat and the caller never interleave
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: LeaseLost | None = None
+
+    # --- the record -------------------------------------------------------------------------
+    def _read(self) -> dict[str, Any] | None:
+        """The current record, or None if there is none (or it is unreadable: then it is stale)."""
+        try:
+            rec = self.store.get_json(self.key)
+        except FileNotFoundError:
+            return None
+        except (IntegrityError, ValueError) as e:
+            log.warning("run %r: lease record %s is unreadable (%s); treating the lease as free", self.run_id,
+                        self.key, e)
+            return None
+        if not (isinstance(rec, dict) and rec.get("format") == LEASE_FORMAT and isinstance(rec.get("token"), str)
+                and isinstance(rec.get("heartbeat_at"), (int, float))):
+            log.warning("run %r: %s is not a lease record; treating the lease as free", self.run_id, self.key)
+            return None
+        return rec
+
+    def _write(self, now: float) -> None:
+        self.store.put_json(self.key, {
+            "format": LEASE_FORMAT, "run_id": self.run_id, "owner": self.owner, "token": self.token,
+            "host": self.host, "pid": self.pid, "acquired_at": self._acquired_at, "heartbeat_at": now,
+            "ttl_s": self.ttl_s,
+        })
+
+    def _stale(self, rec: dict[str, Any], now: float) -> bool:
+        return now - float(rec["heartbeat_at"]) > float(rec.get("ttl_s", self.ttl_s))
+
+    # --- the protocol -----------------------------------------------------------------------
+    def acquire(self) -> RunLease:
+        """Take the lease (or take over a stale one); LeaseHeld naming the holder otherwise."""
+        with self._mutex:
+            rec, now = self._read(), self._clock()
+            if rec is not None and rec["token"] != self.token and not self._stale(rec, now):
+                raise LeaseHeld(self.run_id, rec, now)
+            if rec is not None and rec["token"] != self.token:
+                log.warning("run %r: taking over the stale lease of %s, heartbeat last seen %.1f s ago",
+                            self.run_id, _who(rec), now - float(rec["heartbeat_at"]))
+            self._acquired_at = now
+            self._write(now)
+            self._sleep(self.settle_s)   # let a contender that read "free" too finish its write
+            back = self._read()
+            if back is None or back["token"] != self.token:
+                self.held = False
+                if back is None:
+                    raise LeaseLost(f"run {self.run_id!r}: the lease record vanished while acquiring it")
+                raise LeaseHeld(self.run_id, back, self._clock(), lost_race=True)
+            self.held, self._error = True, None
+        return self
+
+    def heartbeat(self) -> None:
+        """Renew the lease; LeaseLost if another owner has taken it over (or it was deleted)."""
+        with self._mutex:
+            if not self.held:
+                raise LeaseLost(f"run {self.run_id!r}: {self.owner!r} does not hold the lease (acquire it first)")
+            rec = self._read()
+            if rec is None or rec["token"] != self.token:
+                self.held = False
+                whom = "deleted (or made unreadable)" if rec is None else \
+                    f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
+                raise LeaseLost(f"run {self.run_id!r}: the lease of {self.owner!r} was {whom}; "
+                                f"stop writing, another writer owns this run now")
+            self._write(self._clock())
+
+    def release(self) -> None:
+        """Stop the heartbeat thread and delete the record if it is still ours."""
+        self.stop_heartbeat()
+        with self._mutex:
+            if self.held:
+                rec = self._read()
+                if rec is not None and rec["token"] == self.token:
+                    self.store.delete(self.key)
+            self.held = False
+
+    def check(self) -> None:
+        """Raise what the background heartbeat found (LeaseLost), or LeaseLost if not held. No I/O."""
+        if self._error is not None:
+            raise self._error
+        if not self.held:
+            raise LeaseLost(f"run {self.run_id!r}: {self.owner!r} does not hold the lease")
+
+    # --- background heartbeat ---------------------------------------------------------------
+    def start_heartbeat(self, interval_s: float | None = None) -> None:
+        """Renew every interval_s (default ttl_s / 3) on a daemon thread until stop_heartbeat(),
+        release(), or a takeover (then check() raises the LeaseLost). Store errors are logged
+        and retried: if they last beyond ttl_s the lease goes stale, as it should."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        interval = self.ttl_s / 3 if interval_s is None else float(interval_s)
+        self._stop.clear()
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.heartbeat()
+                except LeaseLost as e:
+                    self._error = e
+                    log.error("%s", e)
+                    return
+                except Exception as e:  # noqa: BLE001  a flaky store: try again next interval
+                    log.warning("run %r: lease heartbeat failed (%s); retrying in %.1f s", self.run_id, e, interval)
+
+        self._thread = threading.Thread(target=beat, name=f"lease-{self.run_id}", daemon=True)
+        self._thread.start()
+
+    def stop_heartbeat(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+
+    def __enter__(self) -> RunLease:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"RunLease({self.run_id!r}, owner={self.owner!r}, held={self.held})"

@@ -1,0 +1,169 @@
+"""One writer per run id: RunLease on both backends (local directory, S3 on loopback).
+A fake clock stands in for time: `sleep` advances it, so nothing here waits for real.
+
+    .venv/bin/pytest -q tests/store/test_lease.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import pytest
+
+from ratchet.store import open_store
+from ratchet.store.lease import LeaseHeld, LeaseLost, RunLease, lease_key
+
+T0 = 1_700_000_000.0   # 2023-11-14T22:13:20Z
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = T0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_store(str(tmp_path / "store"))
+    return open_store(request.getfixturevalue("s3_store_uri"))
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def lease(store, owner, clock, **kw) -> RunLease:
+    """ttl 60 s; acquisition settles for 1 s of fake time."""
+    return RunLease(store, "r1", owner=owner, ttl_s=60, settle_s=1.0, clock=clock, sleep=clock.advance, **kw)
+
+
+def test_second_owner_is_refused_naming_the_first(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()       # heartbeat written at T0, held from T0 + 1
+    clock.advance(5)
+    b = lease(store, "trainer-B", clock)
+    with pytest.raises(LeaseHeld) as e:
+        b.acquire()
+    msg = str(e.value)
+    assert "'trainer-A'" in msg and f"host {socket.gethostname()}" in msg and f"pid {os.getpid()}" in msg
+    assert "6.0 s ago (2023-11-14T22:13:20Z)" in msg and "stale 54.0 s from now (ttl 60 s)" in msg
+    assert e.value.holder["token"] == a.token and not b.held
+    assert store.get_json(lease_key("r1"))["owner"] == "trainer-A"     # the refused owner wrote nothing
+    a.heartbeat()                                                        # and the holder is undisturbed
+
+
+def test_stale_lease_is_taken_over_after_ttl_and_the_old_holder_stops(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()      # heartbeat at T0; now T0 + 1
+    b = lease(store, "trainer-B", clock)
+    clock.advance(59)                                    # heartbeat exactly 60 s old: not yet stale
+    with pytest.raises(LeaseHeld):
+        b.acquire()
+    clock.advance(1)                                     # 61 s old: stale
+    assert b.acquire().held
+    with pytest.raises(LeaseLost, match=r"trainer-A.*taken over by owner 'trainer-B'"):
+        a.heartbeat()
+    assert not a.held
+    a.release()                                          # must not delete the new holder's record
+    assert store.get_json(lease_key("r1"))["token"] == b.token
+    with pytest.raises(LeaseLost):
+        a.heartbeat()
+
+
+def test_heartbeat_keeps_the_lease_alive(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()
+    for _ in range(3):
+        clock.advance(50)
+        a.heartbeat()
+    clock.advance(50)                                    # 150 s after acquiring, 50 s after the last beat
+    with pytest.raises(LeaseHeld, match="50.0 s ago"):
+        lease(store, "trainer-B", clock).acquire()
+
+
+def test_release_then_reacquire(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()
+    a.release()
+    assert not store.exists(lease_key("r1")) and not a.held
+    b = lease(store, "trainer-B", clock).acquire()      # at once, no ttl to wait out
+    assert store.get_json(lease_key("r1"))["owner"] == "trainer-B"
+    b.release()
+    assert a.acquire().held                              # the same object can take it again
+
+
+def test_context_manager_releases_even_on_error(store, clock):
+    with pytest.raises(ZeroDivisionError):
+        with lease(store, "trainer-A", clock) as a:
+            assert a.held and store.get_json(lease_key("r1"))["owner"] == "trainer-A"
+            1 / 0
+    assert not store.exists(lease_key("r1"))
+    with lease(store, "trainer-B", clock):
+        pass
+
+
+def test_leases_of_different_runs_are_independent(store, clock):
+    lease(store, "trainer-A", clock).acquire()
+    other = RunLease(store, "r2", owner="trainer-B", clock=clock, sleep=clock.advance)
+    assert other.acquire().held
+
+
+def test_two_contenders_that_both_saw_it_free_the_last_writer_wins(store, clock, monkeypatch):
+    """B read the lease free before A wrote, and writes while A settles: A backs off."""
+    b = lease(store, "trainer-B", clock)
+    stale_views = [None]                                 # B's first read happened before A's write
+    real_read = b._read
+    monkeypatch.setattr(b, "_read", lambda: stale_views.pop() if stale_views else real_read())
+
+    def settle(s: float) -> None:
+        clock.advance(s)
+        if not b.held:
+            b.acquire()                                  # B writes during A's settle window
+
+    a = RunLease(store, "r1", owner="trainer-A", ttl_s=60, settle_s=1.0, clock=clock, sleep=settle)
+    with pytest.raises(LeaseHeld, match="won the race.*'trainer-B'"):
+        a.acquire()
+    assert b.held and not a.held
+    b.heartbeat()
+    assert store.get_json(lease_key("r1"))["token"] == b.token
+
+
+def test_garbage_record_counts_as_free(store, clock, caplog):
+    store.put_bytes(lease_key("r1"), b"{not json")
+    assert lease(store, "trainer-A", clock).acquire().held
+    assert "unreadable" in caplog.text
+
+
+def test_background_heartbeat_stops_on_takeover(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()
+    clock.advance(61)
+    lease(store, "trainer-B", clock).acquire()           # A went stale and was taken over
+    a.start_heartbeat(interval_s=0.001)
+    a._thread.join(timeout=30)                           # the thread ends by itself on LeaseLost
+    assert not a._thread.is_alive()
+    with pytest.raises(LeaseLost, match="trainer-B"):
+        a.check()
+
+
+def test_background_heartbeat_renews_and_stops(store, clock):
+    a = lease(store, "trainer-A", clock).acquire()
+    clock.advance(30)
+    beat, real = threading.Event(), a.heartbeat
+    a.heartbeat = lambda: (real(), beat.set())           # the thread calls self.heartbeat()
+    a.start_heartbeat(interval_s=0.001)
+    assert beat.wait(timeout=30)                         # an event, not a sleep
+    a.stop_heartbeat()
+    assert a._thread is None
+    assert store.get_json(lease_key("r1"))["heartbeat_at"] == T0 + 31
+    clock.advance(50)
+    with pytest.raises(LeaseHeld, match="50.0 s ago"):   # renewed by the thread, not by the caller
+        lease(store, "trainer-B", clock).acquire()
+    a.check()
+    a.release()
+    with pytest.raises(LeaseLost, match="does not hold"):
+        a.check()
