@@ -1,25 +1,27 @@
 """The nightly training cycle, top to bottom.
 
     produce_envs -> audit_envs -> bootstrap_policy -> evaluate (base)
-    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch (-> checkpoint_policy, evaluate)] x steps
-    -> checkpoint_policy -> evaluate (final) -> promote -> summary.json
+    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave (-> checkpoint_policy, evaluate)] x steps
+    -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
 from the shell:       ratchet run            (or: make run)
 from the Prefect UI:  deployment "nightly" in deploy/prefect.yaml
 
-Each stage is a task in tasks/ that hands the next one references into the store. A run
-with the id of an interrupted one resumes from its LATEST checkpoint.
+Each stage is a task in tasks/ that hands the next one references into the store. One
+process at a time runs a run id (a lease in the store); a run with the id of an interrupted
+one resumes from its LATEST checkpoint, and its summary covers every attempt.
 """
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timezone
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from ratchet.config import NightlyConfig
+from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, incumbent_pass_rate, promote
@@ -27,46 +29,49 @@ from tasks.gate import gate_wave
 from tasks.produce import produce_envs
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
+from tasks.summary import record_wave, write_summary
 from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 
 
-@flow(name="nightly", log_prints=True)
+@flow(name="nightly", log_prints=True, persist_result=True)
 def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     """Train on audited environments; promote the result only if it beats the incumbent."""
     logger = get_run_logger()
-    started = time.monotonic()
     run_id = cfg.run_id or datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")
 
-    snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
-    audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
-    train = [a.passed for a in audits]
-    heldout = [a.heldout_passed for a in audits]
+    with run_attempt(open_store(cfg.store), run_id, owner=flow_run.id or run_id) as lease:
+        snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
+        audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
+        train = [a.passed for a in audits]
+        heldout = [a.heldout_passed for a in audits]
 
-    policy = bootstrap_policy(run_id, cfg, train)
-    base = evaluate(policy.model_copy(update={"version": 0}), heldout, cfg)  # cached per version: resume-safe
-    logger.info("run %s starts at policy v%d, held-out pass@1 %.3f", run_id, policy.version, base["pass_rate"])
+        policy = bootstrap_policy(run_id, cfg, train)
+        base = evaluate(policy.model_copy(update={"version": 0}), heldout, cfg)  # cached per version: resume-safe
+        logger.info("run %s starts at policy v%d, held-out pass@1 %.3f", run_id, policy.version, base["pass_rate"])
 
-    history = []
-    for step in range(policy.version, cfg.steps):  # one wave per policy version
-        wave = rollout_wave(policy, step, train, cfg)
-        scored, wave_stats = score_wave(wave, train, cfg)
-        gated = gate_wave(scored, train, cfg)
-        policy, train_stats = train_epoch(policy, gated, cfg)
-        history.append({"step": step, **wave_stats, **train_stats})
-        logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
-                    wave_stats["reward_mean"], train_stats.get("train_samples", 0))
-        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+        for step in range(policy.version, cfg.steps):  # one wave per policy version
+            wave = rollout_wave(policy, step, train, cfg)
+            scored, wave_stats = score_wave(wave, train, cfg)
+            gated = gate_wave(scored, train, cfg)
+            policy, train_stats = train_epoch(policy, gated, cfg)
+            stats = {**wave_stats, **train_stats}
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
+                stats["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
+            record_wave(run_id, step, stats, cfg)
+            logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
+                        wave_stats["reward_mean"], train_stats.get("train_samples", 0))
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                lease.check()
+                policy = checkpoint_policy(policy, cfg)
+        if policy.checkpoint_version != policy.version:
+            lease.check()
             policy = checkpoint_policy(policy, cfg)
-        if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
-            history[-1]["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
-    if policy.checkpoint_version != policy.version:
-        policy = checkpoint_policy(policy, cfg)
 
-    final = evaluate(policy, heldout, cfg)
-    incumbent = incumbent_pass_rate(heldout, cfg)
-    decision = promote(policy, final["pass_rate"], base["pass_rate"] if incumbent is None else incumbent, cfg)
+        final = evaluate(policy, heldout, cfg)
+        incumbent = incumbent_pass_rate(heldout, cfg)
+        decision = promote(policy, final["pass_rate"], base["pass_rate"] if incumbent is None else incumbent, cfg)
 
-    summary = {
+    return write_summary(run_id, {
         "run_id": run_id,
         "base_pass_rate": base["pass_rate"],
         "final_pass_rate": final["pass_rate"],
@@ -79,11 +84,5 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         "base": base,
         "final": final,
         "audits": [a.counts for a in audits],
-        "history": history,
         "config": cfg.model_dump(mode="json"),
-        "wall_s": round(time.monotonic() - started, 1),
-    }
-    ref = open_store(cfg.store.uri).put_json(f"runs/{run_id}/summary.json", summary)
-    summary["summary"] = ref.uri
-    return summary
-
+    }, cfg)

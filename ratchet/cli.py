@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
@@ -58,12 +60,31 @@ def run(
         where = f" in {config}" if config else ""
         typer.echo(f"error: invalid nightly config{where}:\n{e}", err=True)
         raise typer.Exit(2)
+    if cfg.run_id is None:   # named here, so that every message can say how to resume it
+        cfg = cfg.model_copy(update={"run_id": datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")})
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     from flows.nightly import nightly
+    from ratchet.run import Interrupted
 
-    summary = nightly(cfg)
+    def stop(signum, _frame):
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+    resume = f"resume with: ratchet run --run-id {cfg.run_id}"
+    try:
+        summary = nightly(cfg)
+    except Interrupted as e:
+        sys.stderr.flush()
+        typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {e.args[0]}; {resume}", err=True)
+        raise typer.Exit(128 + e.signum)
+    except Exception as e:   # the flow has logged the traceback; the last line says what failed
+        sys.stderr.flush()
+        first = (str(e).strip().splitlines() or [""])[0]
+        typer.echo(f"error: run {cfg.run_id} failed: {type(e).__name__}: {first}; {resume}", err=True)
+        raise typer.Exit(1)
     sys.stderr.flush()
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
 

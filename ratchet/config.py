@@ -35,6 +35,10 @@ class StoreConfig(Frozen):
         "S3 endpoint and credentials come from RATCHET_S3_ENDPOINT, AWS_ACCESS_KEY_ID, "
         "AWS_SECRET_ACCESS_KEY (and RATCHET_S3_SECURE=0 for plain HTTP).",
     )
+    retry_budget_s: float = Field(
+        120.0, ge=0, le=3600, description="S3: how long one store operation retries a transient failure (connection "
+        "refused, timeout, 5xx) with backoff before the run fails with one line naming the store and the operation."
+    )
 
 
 class CleanConfig(Frozen):

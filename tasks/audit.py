@@ -23,6 +23,7 @@ from ratchet.config import AuditConfig, StoreConfig, VerifyConfig
 from ratchet.data.gates import check_tasks
 from ratchet.store import Ref, open_store
 from tasks.produce import EnvSnapshot
+from tasks.retry import transient_only
 
 
 class AuditResult(BaseModel):
@@ -37,14 +38,14 @@ class AuditResult(BaseModel):
     counts: dict[str, int] = Field(description="Tasks per verdict (train and held-out together).")
 
 
-@task(retries=1, retry_delay_seconds=[5], cache_policy=NO_CACHE)
+@task(retries=1, retry_delay_seconds=[5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, store: StoreConfig) -> AuditResult:
     """Audit every task of a snapshot in the sandbox; quarantine the failures with their reason.
     The tasks that passed go through the task-table gate (Great Expectations) before any
     rollout may sample them; a failed gate stops the flow with the report as an artifact."""
     specs = load_specs(snapshot.train) + load_specs(snapshot.heldout)
     verdicts = audit(specs, cfg, verify)
-    st = open_store(store.uri)
+    st = open_store(store)
     saved = save_audit(st, snapshot.family, snapshot.version, specs, verdicts)
     _artifacts(snapshot, saved.table, saved.counts, saved.changed)
     get_run_logger().info("audit %s %s: %s", snapshot.family, snapshot.version, saved.counts)

@@ -16,6 +16,7 @@ from ratchet.model import load_policy
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
+from tasks.retry import transient_only
 
 INCUMBENT = "models/promoted/INCUMBENT"
 
@@ -25,11 +26,11 @@ def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
     return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size)
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig) -> dict:
     """Held-out pass@1 (greedy) of the policy; per-task results to runs/<id>/eval/<version>.parquet.
     The result is kept per policy version, so a retry or a resumed run does not evaluate twice."""
-    store = open_store(cfg.store.uri)
+    store = open_store(cfg.store)
     key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
     if store.exists(f"{key}.json"):
         return store.get_json(f"{key}.json")
@@ -43,10 +44,10 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     return out
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def incumbent_pass_rate(heldout: list[Ref], cfg: NightlyConfig) -> float | None:
     """The promoted model's pass@1 on this run's held-out tasks (None when nothing is promoted)."""
-    store = open_store(cfg.store.uri)
+    store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     if pointer is None:
         return None
@@ -55,11 +56,11 @@ def incumbent_pass_rate(heldout: list[Ref], cfg: NightlyConfig) -> float | None:
         return _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg).pass_rate
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def promote(policy: sessions.PolicyRef, candidate: float, incumbent: float | None, cfg: NightlyConfig) -> dict:
     """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent."""
     ok, why = should_promote(candidate, incumbent, cfg.eval.min_gain)
     get_run_logger().info("promotion: %s", why)
     if ok and policy.checkpoint is not None:
-        open_store(cfg.store.uri).set_pointer(INCUMBENT, policy.checkpoint)
+        open_store(cfg.store).set_pointer(INCUMBENT, policy.checkpoint)
     return {"promoted": ok, "reason": why, "checkpoint": policy.checkpoint.uri if ok and policy.checkpoint else None}

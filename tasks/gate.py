@@ -17,7 +17,7 @@ from ratchet.store import Ref, open_store
 def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
     """A failure stops the flow before training; the wave stays in the store and the report is
     published as an artifact."""
-    frame = open_store(cfg.store.uri).read_table(wave)
+    frame = open_store(cfg.store).read_table(wave)
     logic = load_specs(train[0])[0].reward_logic
     report = check_wave(frame, cfg.gate, reward_bounds=reward_bounds(logic, cfg.reward),
                         max_tokens=cfg.model.max_seq_len, source=wave.uri)

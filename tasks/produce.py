@@ -15,6 +15,7 @@ from envs.production import produce
 from envs.snapshot import save_production
 from ratchet.config import EnvsConfig, StoreConfig
 from ratchet.store import Ref, open_store
+from tasks.retry import transient_only
 
 
 class EnvSnapshot(BaseModel):
@@ -26,11 +27,11 @@ class EnvSnapshot(BaseModel):
     lineage: Ref
 
 
-@task(retries=2, retry_delay_seconds=[5, 30], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def produce_envs(family: str, cfg: EnvsConfig, store: StoreConfig) -> EnvSnapshot:
     """Generate, dedup and decontaminate one family's tasks; a versioned snapshot with lineage.
     A version already in the store is reused (it is a pure function of its fingerprint)."""
     prod = produce(family, cfg)
-    refs = save_production(open_store(store.uri), prod)
+    refs = save_production(open_store(store), prod)
     get_run_logger().info("%s %s: %s", family, prod.version, prod.lineage["counts"])
     return EnvSnapshot(family=family, version=prod.version, **refs)

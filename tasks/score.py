@@ -10,14 +10,15 @@ from ratchet import stages
 from ratchet.config import NightlyConfig
 from ratchet.reward import score_frame
 from ratchet.store import Ref, open_store
+from tasks.retry import transient_only
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, dict]:
     """Verify every completion in the sandbox and turn its metrics into a reward (advantages
     are the training stage's: they are computed once, by the trainer, and stored there)."""
     specs = {s.task_id: s for r in train for s in load_specs(r)}
-    store = open_store(cfg.store.uri)
+    store = open_store(cfg.store)
     frame = stages.verify_frame(store.read_table(wave), specs, cfg)
     frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward)
     stats = stages.group_stats(frame, cfg)

@@ -15,14 +15,15 @@ from ratchet.config import NightlyConfig
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
 from ratchet.train.checkpoint import load_latest, save_checkpoint
+from tasks.retry import transient_only
 
 
-@task(retries=1, cache_policy=NO_CACHE)
+@task(retries=1, retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessions.PolicyRef:
     """The policy a run starts from: its own LATEST checkpoint (resume), a local HF model
     directory, or the embedded tiny model built and warm-started here. Saved as version 0."""
     logger = get_run_logger()
-    store = open_store(cfg.store.uri)
+    store = open_store(cfg.store)
     with tempfile.TemporaryDirectory(prefix="ratchet-boot-") as tmp:
         found = load_latest(store, run_id, Path(tmp))
         if found is not None:
@@ -45,13 +46,13 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
     return sessions.PolicyRef(run_id=run_id, version=0, checkpoint=ref, checkpoint_version=0)
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
     """One RL epoch on a gated wave; returns the next policy version and the train metrics.
     The advantages are computed here, once, stored beside the wave (`trained.parquet`), and
     exactly those are trained on."""
     session = sessions.open_session(policy, cfg)
-    store = open_store(cfg.store.uri)
+    store = open_store(cfg.store)
     frame = store.read_table(wave)
     samples = session.trainer.assign_advantages(stages.train_samples(frame, session.engine.encode_prompts, cfg))
     store.write_table(wave.sibling("trained.parquet"), stages.with_advantages(frame, samples))
@@ -61,7 +62,7 @@ def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tu
     return session.ref(policy.checkpoint, policy.checkpoint_version), metrics
 
 
-@task(retries=2, retry_delay_seconds=[1, 5], cache_policy=NO_CACHE)
+@task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def checkpoint_policy(policy: sessions.PolicyRef, cfg: NightlyConfig) -> sessions.PolicyRef:
     """Weights, optimizer, RNG and ledger to the store; LATEST written last."""
-    return sessions.save_session(sessions.open_session(policy, cfg), open_store(cfg.store.uri))
+    return sessions.save_session(sessions.open_session(policy, cfg), open_store(cfg.store))

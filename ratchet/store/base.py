@@ -89,7 +89,7 @@ def validate_key(key: str) -> str:
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise bad("no empty, '.' or '..' path components (nor a trailing '/')")
-    if parts[0] == RESERVED:
+    if RESERVED in parts:
         raise bad(f"{RESERVED!r} is reserved for the store's own bookkeeping")
     return key
 
@@ -160,7 +160,7 @@ class ArtifactStore(ABC):
         """Keys that start with `prefix` (a plain string prefix, as S3 lists), sorted."""
         if prefix.startswith("/") or ".." in prefix.split("/"):
             raise ValueError(f"invalid store prefix {prefix!r}")
-        return sorted(k for k in self._list(prefix) if k.split("/")[0] != RESERVED)
+        return sorted(k for k in self._list(prefix) if RESERVED not in k.split("/"))   # nor a nested store's
 
     def delete(self, key: str) -> None:
         self._delete(validate_key(key))

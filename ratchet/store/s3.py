@@ -15,11 +15,17 @@ Connection from the environment:
 from __future__ import annotations
 
 import io
+import logging
 import os
+import time
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
+from ratchet.errors import StoreUnavailable, is_transient
 from ratchet.store.base import ArtifactStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound", "NotFound"}
 
@@ -73,7 +79,11 @@ def client_from_env():
 
 
 class S3Store(ArtifactStore):
-    def __init__(self, uri: str, client=None):
+    """`retry_budget_s`: how long one operation keeps retrying transient failures (connection
+    refused, timeouts, 5xx) with backoff before it fails with StoreUnavailable, one line naming
+    the store and the operation. The default outlasts a 60 s outage."""
+
+    def __init__(self, uri: str, client=None, retry_budget_s: float = 120.0):
         if not uri.startswith("s3://"):
             raise ValueError(f"not an s3:// URI: {uri!r}")
         bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -82,7 +92,29 @@ class S3Store(ArtifactStore):
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.root_uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.client = client or client_from_env()
-        self._ensure_bucket()
+        self.retry_budget_s = retry_budget_s
+        self._retrying("create bucket", "", self._ensure_bucket)
+
+    def _retrying(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """fn(), retried with backoff (0.5 s doubling to 8 s) while it fails transiently, for at
+        most retry_budget_s; then StoreUnavailable. Deterministic failures are raised at once."""
+        start, delay = time.monotonic(), 0.5
+        while True:
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified by is_transient
+                waited = time.monotonic() - start
+                if not is_transient(e):
+                    raise
+                if waited + delay > self.retry_budget_s:
+                    cause = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                    raise StoreUnavailable(f"store {self.root_uri} unreachable for {waited:.0f} s "
+                                           f"(retry budget {self.retry_budget_s:.0f} s) during {op} "
+                                           f"{key!r}: {type(e).__name__}: {cause}") from None
+                log.warning("store %s: %s %r failed (%s); retrying in %.1f s", self.root_uri, op, key,
+                            type(e).__name__, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 8.0)
 
     def _ensure_bucket(self) -> None:
         from minio.error import S3Error
@@ -106,39 +138,48 @@ class S3Store(ArtifactStore):
         if rows is not None:
             meta["rows"] = str(rows)
         if isinstance(data, Path):
-            self.client.fput_object(self.bucket, self._name(key), str(data), metadata=meta)
+            self._retrying("put", key, lambda: self.client.fput_object(self.bucket, self._name(key), str(data),
+                                                                       metadata=meta))
         else:
-            self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data), metadata=meta)
+            self._retrying("put", key, lambda: self.client.put_object(self.bucket, self._name(key), io.BytesIO(data),
+                                                                      len(data), metadata=meta))
 
     def _open(self, key: str) -> tuple[BinaryIO, dict[str, Any] | None]:
         from minio.error import S3Error
 
-        try:
-            resp = self.client.get_object(self.bucket, self._name(key))
-        except S3Error as e:
-            if e.code in _MISSING:
-                raise self._not_found(key) from None
-            raise
+        def get():
+            try:
+                return self.client.get_object(self.bucket, self._name(key))
+            except S3Error as e:
+                if e.code in _MISSING:
+                    raise self._not_found(key) from None
+                raise
+
+        resp = self._retrying("get", key, get)
         size = int(resp.headers.get("content-length", 0))
         return _Body(resp), _parse_meta(resp.headers, size)
 
     def _meta(self, key: str) -> dict[str, Any] | None:
         from minio.error import S3Error
 
-        try:
-            stat = self.client.stat_object(self.bucket, self._name(key))
-        except S3Error as e:
-            if e.code in _MISSING:
-                raise self._not_found(key) from None
-            raise
-        return _parse_meta(stat.metadata or {}, stat.size)
+        def stat():
+            try:
+                return self.client.stat_object(self.bucket, self._name(key))
+            except S3Error as e:
+                if e.code in _MISSING:
+                    raise self._not_found(key) from None
+                raise
+
+        st = self._retrying("stat", key, stat)
+        return _parse_meta(st.metadata or {}, st.size)
 
     def _list(self, prefix: str) -> Iterator[str]:
         full = self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
         skip = len(self.prefix) + 1 if self.prefix else 0
-        for obj in self.client.list_objects(self.bucket, prefix=full, recursive=True):
-            if not obj.is_dir:
-                yield obj.object_name[skip:]
+        names = self._retrying("list", prefix, lambda: [o.object_name for o in self.client.list_objects(
+            self.bucket, prefix=full, recursive=True) if not o.is_dir])
+        for name in names:
+            yield name[skip:]
 
     def _delete(self, key: str) -> None:
-        self.client.remove_object(self.bucket, self._name(key))
+        self._retrying("delete", key, lambda: self.client.remove_object(self.bucket, self._name(key)))

@@ -66,5 +66,9 @@ def test_rerun_with_the_same_id_resumes_without_retraining(first_run):
 
     store_uri, summary = first_run
     again = nightly(tiny(store_uri, run_id="r1"))
-    assert again["policy_version"] == 3 and again["history"] == []
-    assert again["base_pass_rate"] == summary["base_pass_rate"]
+    assert again["policy_version"] == 3 and again["base_pass_rate"] == summary["base_pass_rate"]
+    # the summary covers the whole run: every wave once, both attempts, the total wall time
+    assert [h["step"] for h in again["history"]] == [0, 1, 2] and again["history"] == summary["history"]
+    assert [a["outcome"] for a in again["attempts"]] == ["completed", "completed"]
+    assert again["wall_s"] == pytest.approx(sum(a["wall_s"] for a in again["attempts"]), abs=0.2)
+    assert open_store(store_uri).get_json("runs/r1/summary.json")["attempts"] == again["attempts"]

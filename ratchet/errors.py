@@ -1,0 +1,44 @@
+"""Which failures are worth a retry: the one rule every Prefect task's retries follow.
+
+    from ratchet.errors import is_transient
+    is_transient(ConnectionResetError())        # True: the network may come back
+    is_transient(ValueError("bad config"))      # False: the same input fails the same way
+
+A deterministic error (bad settings, a failed gate, corrupt data, a lost lease, a bug) fails
+the same way on every attempt: retrying it only buries its message under repeated tracebacks.
+Transient ones are I/O that may succeed later: a dropped connection, a timeout, a store that
+answers 5xx or is briefly down. Anything not known to be transient is treated as deterministic.
+"""
+
+from __future__ import annotations
+
+_NOT_TRANSIENT_OS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+_SERVER_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
+
+
+class TransientError(RuntimeError):
+    """Raised by ratchet for a condition that may clear by itself (retry it)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The store stayed unreachable past its retry budget. Not retried again by a task: the
+    budget was the retry; one line names the store and the operation."""
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    if exc is None or isinstance(exc, StoreUnavailable):
+        return False
+    if isinstance(exc, TransientError):
+        return True
+    if isinstance(exc, OSError):          # ConnectionError, TimeoutError, BrokenPipeError, ...
+        return not isinstance(exc, _NOT_TRANSIENT_OS)
+    try:
+        from urllib3.exceptions import HTTPError as Urllib3Error
+    except ImportError:  # pragma: no cover - urllib3 comes with minio and requests
+        Urllib3Error = ()
+    if Urllib3Error and isinstance(exc, Urllib3Error):
+        return True
+    name = type(exc).__name__                # minio's, without importing minio here
+    if name == "ServerError":                # the S3 server answered 5xx
+        return True
+    return name == "S3Error" and getattr(exc, "code", None) in _SERVER_CODES

@@ -1,0 +1,55 @@
+"""One invocation of a run id: its lease, its leftovers cleaned, its attempt recorded.
+
+    with run_attempt(store, run_id, owner=flow_run_id) as lease:   # LeaseHeld: another process runs it
+        ...                                                        # lease.check() before each checkpoint
+    # attempts.json says how this attempt ended: completed, failed: <error>, interrupted: <signal>
+
+Used by `flows/nightly.py`; everything here is plain Python over the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+from ratchet.store import ArtifactStore, RunLease
+from ratchet.summary import begin_attempt, end_attempt
+from ratchet.train.checkpoint import clean_partial
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT) asked the run to stop; it is resumable from its last checkpoint."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def outcome(exc: BaseException) -> str:
+    """One line saying how an attempt ended."""
+    if isinstance(exc, Interrupted):
+        return f"interrupted: {exc.args[0]}"
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted: SIGINT"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"failed: {type(exc).__name__}: {first}"[:500]
+
+
+@contextmanager
+def run_attempt(store: ArtifactStore, run_id: str, owner: str | None = None, ttl_s: float = 60.0) -> Iterator[RunLease]:
+    with RunLease(store, run_id, owner=owner, ttl_s=ttl_s) as lease:
+        lease.start_heartbeat()
+        removed = clean_partial(store, run_id)
+        if removed:
+            log.warning("run %s: removed %d file(s) of interrupted checkpoint writes", run_id, len(removed))
+        attempt = begin_attempt(store, run_id)
+        try:
+            yield lease
+        except BaseException as e:
+            end_attempt(store, run_id, attempt, outcome(e))
+            raise
+        end_attempt(store, run_id, attempt, "completed")

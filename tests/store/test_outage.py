@@ -1,0 +1,83 @@
+"""The S3 store across an outage of its server, and a store that lost its objects.
+
+A moto S3 server of our own on loopback, stopped and restarted on the same port (moto keeps
+its objects in this process, so a restart is an outage, not a wipe)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+
+import pytest
+
+from ratchet.errors import StoreUnavailable
+from ratchet.store import S3Store, StoreLost, open_store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def own_server(monkeypatch):
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    servers = [ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)]
+    servers[0].start()
+    for k, v in {"RATCHET_S3_ENDPOINT": f"127.0.0.1:{port}", "RATCHET_S3_SECURE": "0", "AWS_ACCESS_KEY_ID": "t",
+                 "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+
+    class Server:
+        def stop(self):
+            servers[-1].stop()
+
+        def start(self):
+            servers.append(ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False))
+            servers[-1].start()
+
+    yield Server()
+    servers[-1].stop()
+
+
+def test_an_outage_within_the_budget_is_survived(own_server):
+    store = S3Store(f"s3://outage/{uuid.uuid4().hex[:8]}", retry_budget_s=60)
+    store.put_bytes("before", b"1")
+    own_server.stop()
+    back = threading.Timer(3.0, own_server.start)   # the server is down for 3 s, mid-operation
+    back.start()
+    t0 = time.monotonic()
+    store.put_bytes("during", b"2")
+    back.join()
+    assert time.monotonic() - t0 >= 2.5                               # it did wait the outage out
+    assert store.get_bytes("before") == b"1" and store.get_bytes("during") == b"2"
+    assert store.list() == ["before", "during"]                       # nothing lost or doubled
+
+
+def test_an_outage_past_the_budget_is_one_clear_error(own_server):
+    store = S3Store(f"s3://outage/{uuid.uuid4().hex[:8]}", retry_budget_s=2)
+    own_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable) as e:
+        store.put_bytes("k", b"1")
+    message = str(e.value)
+    assert "\n" not in message and store.root_uri in message and "during put 'k'" in message
+    assert "retry budget 2 s" in message and time.monotonic() - t0 < 20
+    own_server.start()
+
+
+def test_a_store_emptied_under_a_run_is_lost_not_fresh(own_server):
+    uri = f"s3://emptied-{uuid.uuid4().hex[:8]}/p"
+    store = open_store(uri)
+    store.put_bytes("runs/r/waves/000000/trajectories.parquet", b"x")
+    for obj in store.client.list_objects(store.bucket, recursive=True):     # the server comes back empty
+        store.client.remove_object(store.bucket, obj.object_name)
+    store.client.remove_bucket(store.bucket)
+    with pytest.raises(StoreLost, match="lost the objects it held"):
+        open_store(uri)
+    assert not store.client.bucket_exists(store.bucket) or store.list() == []   # nothing written after
