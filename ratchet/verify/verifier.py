@@ -13,7 +13,8 @@ failing the item is marked `env_error` and is never scored as the model's failur
 Two kinds of task:
 - `check_calls`: the harness calls the entry point on each hidden test's args (and each
   visible example's, `metadata["visible_tests"]`) and prints plain-data results; they are
-  compared with the expected values here, outside the sandbox. Tasks without dependencies
+  compared with the expected values here, outside the sandbox (`same`: canonical JSON, with
+  a task's `metadata["float_tolerance"]` for floats). Tasks without dependencies
   run on the sandbox's fast isolated interpreter.
 - `run_command`: the snapshot files and overwrite_file steps go into the workdir, the hidden
   `test_files` are placed after them read-only, and `pytest ...` / `python script.py` runs
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,6 +70,7 @@ class Plan:
     kind: str                      # "calls" | "pytest" | "script"
     hidden: tuple[CallTest, ...] = ()
     visible: tuple[CallTest, ...] = ()
+    tolerance: float | None = None   # metadata["float_tolerance"]: how `same` compares numbers
 
 
 def canonical(js: str | None) -> str | None:
@@ -75,6 +78,43 @@ def canonical(js: str | None) -> str | None:
     if js is None:
         return None
     return json.dumps(json.loads(js), separators=(",", ":"), ensure_ascii=True)
+
+
+def float_tolerance(spec: TaskSpec) -> float | None:
+    """The task's `metadata["float_tolerance"]` (None: results must be equal as canonical JSON)."""
+    tol = spec.metadata.get("float_tolerance")
+    if tol is None:
+        return None
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        raise ValueError(f"task {spec.task_id}: metadata.float_tolerance must be a number in [0, 1), got {tol!r}")
+    return float(tol)
+
+
+def same(got: str | None, expected: str, tolerance: float | None = None) -> bool:
+    """Whether a call's plain-data result (harness JSON) is the expected one: the one comparison of
+    results, outside the sandbox. Without a tolerance: equal canonical JSON. With one (a task's
+    `metadata["float_tolerance"]`, e.g. HumanEval's 1e-6): the same, except that two numbers of
+    which one is a float are equal when `math.isclose(a, b, rel_tol=tol, abs_tol=tol)`, as
+    HumanEval's `abs(candidate(x) - y) < 1e-6` and Python's `2 == 2.0` have it; bools are not
+    numbers here, two ints are compared exactly, and tuple/list, set/dict tags still differ."""
+    if got is None:
+        return False
+    if tolerance is None:
+        return canonical(got) == canonical(expected)
+    return _close(json.loads(got), json.loads(expected), tolerance)
+
+
+def _close(a, b, tol: float) -> bool:
+    num = (int, float)
+    if isinstance(a, num) and isinstance(b, num) and not isinstance(a, bool) and not isinstance(b, bool):
+        if isinstance(a, int) and isinstance(b, int):
+            return a == b
+        return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
+    return type(a) is type(b) and a == b
 
 
 def workdir_path(path: str) -> str:
@@ -116,7 +156,7 @@ def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None =
         code = call_harness(_solution_source(spec, completion), step.entry_point, args)
         python = runtime_python(spec.environment_config) if runtime_python and spec.environment_config.dependencies else None
         payload = Payload(code=code, files=files, readonly_files=tests_ro, python=python, site=python is not None)
-        return Plan(payload, "calls", spec.tests, visible)
+        return Plan(payload, "calls", spec.tests, visible, float_tolerance(spec))
     kind, argv = command_argv(step.command)
     python = runtime_python(spec.environment_config) if runtime_python else None
     return Plan(Payload(argv=argv, files=files, readonly_files=tests_ro, python=python, site=True), kind)
@@ -137,11 +177,12 @@ def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
         return False
 
 
-def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[CallTest, ...]) -> tuple[int, int]:
-    """(hidden passed, visible passed): results compared here, outside the sandbox, as canonical JSON."""
+def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[CallTest, ...],
+                  tolerance: float | None = None) -> tuple[int, int]:
+    """(hidden passed, visible passed): results compared here, outside the sandbox (`same`)."""
     tests = (*hidden, *visible)
     got = parse_harness_output(stdout, n=len(tests))
-    ok = [g is not None and canonical(g) == canonical(t.expected) for g, t in zip(got, tests)]
+    ok = [same(g, t.expected, tolerance) for g, t in zip(got, tests)]
     return sum(ok[:len(hidden)]), sum(ok[len(hidden):])
 
 
@@ -162,10 +203,10 @@ def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
 
 def metrics_from(spec: TaskSpec, completion: str, res: RunResult, p: Plan | None = None) -> dict:
     """The METRICS struct (ratchet.data.schemas) of one run."""
-    p = p or Plan(Payload(code="pass"), "calls", spec.tests, visible_tests(spec))
+    p = p or Plan(Payload(code="pass"), "calls", spec.tests, visible_tests(spec), float_tolerance(spec))
     flags = list(res.security_events)
     if p.kind == "calls":
-        passed, seen = _calls_passed(res.stdout, p.hidden, p.visible)
+        passed, seen = _calls_passed(res.stdout, p.hidden, p.visible, p.tolerance)
         total = len(p.hidden)
         if p.visible and total and special_cased(seen / len(p.visible), passed / total if total else 0.0):
             flags.append(SPECIAL_CASED)

@@ -229,3 +229,79 @@ def test_empty_completion_never_scores_above_zero():
     # the same task does pass with a real (if trivial) completion: the guard is about emptiness
     [v] = verify_many([(passing_snapshot, "x = 1\n")])
     assert v.metrics["test_pass_rate"] == 1.0
+
+
+# --- imported HumanEval: an answer that lies about equality scores nothing ---------------------------
+
+ALWAYS_EQUAL = '''
+    class _Anything:
+        def __eq__(self, other): return True
+        def __ne__(self, other): return False
+        __hash__ = object.__hash__
+        def __lt__(self, other): return True
+        __le__ = __gt__ = __ge__ = __lt__
+        def __abs__(self): return 0
+        def __sub__(self, other): return self
+        __rsub__ = __add__ = __radd__ = __mul__ = __rmul__ = __truediv__ = __mod__ = __neg__ = __sub__
+        def __round__(self, n=None): return self
+        def __float__(self): return 0.0
+        def __int__(self): return 0
+        def __bool__(self): return True
+        def __len__(self): return 0
+        def __iter__(self): return iter(())
+        def __getitem__(self, i): return self
+        def __contains__(self, x): return True
+        def __str__(self): return "True"
+        __repr__ = __str__
+    return _Anything()
+'''
+
+
+def test_humaneval_lying_answers_score_nothing_and_canonical_solutions_pass():
+    """HumanEval's own check() compares inside the candidate's process: an object whose __eq__ is
+    always True passed 155 of 164 problems. Imported, every problem's results are compared as plain
+    data (call tests outside the sandbox, or check on a plain copy): 164/0/0."""
+    from envs.importers import humaneval_path, read_tasks
+    specs = read_tasks(humaneval_path(), "humaneval").specs
+    assert len(specs) == 164
+    answers = {"canonical": None, "always_equal": ALWAYS_EQUAL, "none": "    return None\n"}
+    items = [(s, s.reference_solution if a is None else a) for a in answers.values() for s in specs]
+    results = verify_many(items)
+    assert not [s.task_id for (s, _), v in zip(items, results) if v.env_error]
+    full = {name: [s.task_id for (s, _), v in zip(items[i * 164:(i + 1) * 164], results[i * 164:(i + 1) * 164]) if v.passed]
+            for i, name in enumerate(answers)}
+    assert {k: len(v) for k, v in full.items()} == {"canonical": 164, "always_equal": 0, "none": 0}, full["always_equal"][:5]
+    guards = [s.metadata["guard"] for s in specs]
+    assert guards.count("call_tests") >= 160            # the rest (HumanEval/32: any root will do) check in the sandbox
+
+
+def test_float_tolerance_is_the_verifiers_one_comparison():
+    from ratchet.verify.verifier import same
+    assert same("0.6666666666666666", "0.6666666666666667", 1e-6) and not same("0.6666666666666666", "0.6666666666666667")
+    assert same("2", "2.0", 1e-6) and not same("2", "2.0")                   # Python's 2 == 2.0, under a tolerance
+    assert not same("0.667", "0.6666666666666667", 1e-6)
+    assert not same("true", "1", 1e-6) and not same("10000000000000000001", "10000000000000000000", 1e-6)
+    assert not same('{"$tuple":[1.0]}', "[1.0]", 1e-6) and same('{"$tuple":[1.0]}', '{"$tuple":[1.0000000001]}', 1e-6)
+    assert not same(None, "null", 1e-6) and not same('{"$float":"nan"}', "0.0", 1e-6)
+
+
+def test_humaneval_a_correct_answer_rounded_differently_passes_and_random_checks_are_recorded():
+    from envs.importers import humaneval_path, read_tasks
+    specs = {s.task_id: s for s in read_tasks(humaneval_path(), "humaneval").specs}
+    mad, decode = specs["HumanEval/4"], specs["HumanEval/38"]
+    assert mad.metadata["float_tolerance"] == 1e-6 and decode.metadata["guard"] == "call_tests"
+    assert len(decode.tests) >= 100                        # check's 100 random strings, seeded at import
+    fsum = ("    import math\n    m = math.fsum(numbers) / len(numbers)\n"
+            "    return math.fsum(abs(x - m) for x in numbers) / len(numbers)\n")
+    off = "    return sum(numbers) / len(numbers) / 2\n"
+    ok, wrong = verify_many([(mad, fsum), (mad, off)])
+    assert ok.passed and wrong.metrics["tests_passed"] == 0
+
+
+def test_run_command_pytest_still_compares_inside_the_candidates_process():
+    """Known limit, kept visible: a user's pytest file asserts `f(x) == y` in the process that
+    imported the completion, so an always-equal object passes it (as with plain pytest). Only
+    check_calls tasks (generated families, imported HumanEval) compare plain data outside."""
+    liar = "class A:\n    def __eq__(self, o): return True\ndef f(x):\n    return A()\n"
+    [v] = verify_many([(cmd_task("pytest -q tests/", "liar_pytest"), liar)])
+    assert v.metrics["tests_passed"] == 3
