@@ -23,9 +23,9 @@ reference is a full verification (`verify_many`, the path training uses; its wal
 runtime checked against the budget). For `check_calls` tasks the rest (repeat references,
 trivial answers, mutants) runs as ONE sandbox run per task: each candidate is compiled in its
 own namespace and every (candidate, test) call's result is serialised and compared outside
-with the verifier's `canonical`; a mutant that loops is stopped by a per-call alarm. A probe
-run that fails as a whole (timeout, hard exit, output cap) is retried task by task, then redone
-with one verification per candidate (`candidate_wall_s` each). Other tasks (run_command)
+with the verifier's `same` (its one comparison, float tolerance included); a mutant that
+loops is stopped by a per-call alarm. A probe run that fails as a whole (timeout, hard exit,
+output cap) is retried task by task, then redone with one verification per candidate (`candidate_wall_s` each). Other tasks (run_command)
 verify each candidate on its own.
 
 Measured on 2 shared cores (load average ~8 from other jobs): the default python_functions
@@ -45,9 +45,9 @@ from envs.spec import COMPLETION, CheckCalls, OverwriteFile, TaskSpec
 from ratchet.config import AuditConfig, VerifyConfig
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
 from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
-from ratchet.verify import Verification, canonical, solution_files, verify_many
+from ratchet.verify import Verification, solution_files, verify_many
 from ratchet.verify.guards import hidden_test_leaks
-from ratchet.verify.verifier import build_payload
+from ratchet.verify.verifier import build_payload, float_tolerance, same
 
 def trivial_answers(spec: TaskSpec) -> list[str]:
     """The family's trivial answers; for imported tasks, metadata["trivial_answers"]."""
@@ -135,12 +135,12 @@ def _probe_results(group: list[tuple[TaskSpec, list[str]]], res: RunResult) -> l
     got = parse_harness_output(res.stdout, n=sum(len(c) * len(s.tests) for s, c in group))
     out, pos = [], 0
     for spec, candidates in group:
-        want = [canonical(x.expected) for x in spec.tests]
+        tol, n = float_tolerance(spec), len(spec.tests)
         mine = []
         for _ in candidates:
-            calls = got[pos:pos + len(want)]
-            pos += len(want)
-            mine.append(all(g is not None and canonical(g) == w for g, w in zip(calls, want)))
+            calls = got[pos:pos + n]
+            pos += n
+            mine.append(all(g is not None and same(g, t.expected, tol) for g, t in zip(calls, spec.tests)))
         out.append(mine)
     return out
 
