@@ -65,6 +65,7 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    _ephemeral_api_dies_with_us()
     from flows.nightly import nightly
     from ratchet.run import Interrupted
 
@@ -77,16 +78,48 @@ def run(
     try:
         summary = nightly(cfg)
     except Interrupted as e:
-        sys.stderr.flush()
+        _quiet_prefect_exit()
         typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {e.args[0]}; {resume}", err=True)
         raise typer.Exit(128 + e.signum)
     except Exception as e:   # the flow has logged the traceback; the last line says what failed
-        sys.stderr.flush()
+        _quiet_prefect_exit()
         first = (str(e).strip().splitlines() or [""])[0]
         typer.echo(f"error: run {cfg.run_id} failed: {type(e).__name__}: {first}; {resume}", err=True)
         raise typer.Exit(1)
-    sys.stderr.flush()
+    _quiet_prefect_exit()
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
+
+
+def _ephemeral_api_dies_with_us() -> None:
+    """The ephemeral Prefect API is a child process (uvicorn) that outlives a SIGKILLed parent.
+    Start it with PR_SET_PDEATHSIG, so the kernel kills it when this process dies, however."""
+    import ctypes
+    import subprocess
+    from types import SimpleNamespace
+
+    import prefect.server.api.server as api
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def die_with_parent() -> None:   # runs in the child, between fork and exec
+        libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+        if os.getppid() != parent:             # the parent died before the prctl: go now
+            os._exit(1)
+
+    def popen(*args, **kw):
+        kw.setdefault("preexec_fn", die_with_parent)
+        return subprocess.Popen(*args, **kw)
+
+    api.subprocess = SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+
+
+def _quiet_prefect_exit() -> None:
+    """Prefect stops its ephemeral API at exit and logs it: keep our line the last one printed."""
+    import logging
+
+    sys.stderr.flush()
+    logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

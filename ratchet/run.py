@@ -35,6 +35,9 @@ def outcome(exc: BaseException) -> str:
         return f"interrupted: {exc.args[0]}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted: SIGINT"
+    signum = getattr(exc, "signal", None)   # an orchestrator's termination exception (Prefect's TerminationSignal)
+    if isinstance(signum, int) and signum in {s.value for s in signal.Signals}:
+        return f"interrupted: {signal.Signals(signum).name}"
     first = (str(exc).strip().splitlines() or [""])[0]
     return f"failed: {type(exc).__name__}: {first}"[:500]
 

@@ -8,7 +8,9 @@
         lease.check()                    # LeaseLost if the background beat found a takeover
 
 The record is `runs/<run_id>/LEASE` (JSON: owner, token, host, pid, acquired_at, heartbeat_at,
-ttl_s). A lease whose heartbeat is more than its ttl_s old is stale: its holder is presumed
+ttl_s, proc_ns). A lease whose holder process is gone (same kernel boot and pid namespace:
+a pid there means what it means here) is taken over at once. A lease whose heartbeat is more
+than its ttl_s old is stale: its holder is presumed
 dead, and the next `acquire()` takes it over. `heartbeat()` of the old holder then raises
 `LeaseLost`, so a paused process that wakes up stops writing instead of racing the new one.
 
@@ -63,6 +65,25 @@ def lease_key(run_id: str) -> str:
 
 def _when(t: float) -> str:
     return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _proc_ns() -> str | None:
+    """This kernel boot and pid namespace: where a pid means the same process as here."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # exists, another user's
+        return True
+    return True
 
 
 def _who(rec: dict[str, Any]) -> str:
@@ -127,12 +148,17 @@ class RunLease:
     def _write(self, now: float) -> None:
         self.store.put_json(self.key, {
             "format": LEASE_FORMAT, "run_id": self.run_id, "owner": self.owner, "token": self.token,
-            "host": self.host, "pid": self.pid, "acquired_at": self._acquired_at, "heartbeat_at": now,
+            "host": self.host, "pid": self.pid, "proc_ns": _proc_ns(), "acquired_at": self._acquired_at,
+            "heartbeat_at": now,
             "ttl_s": self.ttl_s,
         })
 
     def _stale(self, rec: dict[str, Any], now: float) -> bool:
-        return now - float(rec["heartbeat_at"]) > float(rec.get("ttl_s", self.ttl_s))
+        if now - float(rec["heartbeat_at"]) > float(rec.get("ttl_s", self.ttl_s)):
+            return True
+        # a holder in this very process namespace (same kernel boot, same pid namespace) whose
+        # process is gone was killed: no need to wait out its ttl (a restarted run resumes at once)
+        return rec.get("proc_ns") is not None and rec.get("proc_ns") == _proc_ns() and not _alive(int(rec["pid"]))
 
     # --- the protocol -----------------------------------------------------------------------
     def acquire(self) -> RunLease:

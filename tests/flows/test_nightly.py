@@ -72,3 +72,43 @@ def test_rerun_with_the_same_id_resumes_without_retraining(first_run):
     assert [a["outcome"] for a in again["attempts"]] == ["completed", "completed"]
     assert again["wall_s"] == pytest.approx(sum(a["wall_s"] for a in again["attempts"]), abs=0.2)
     assert open_store(store_uri).get_json("runs/r1/summary.json")["attempts"] == again["attempts"]
+
+
+# -- faults, injected into the finished run r1 (these tests run after the ones above) --
+
+def test_a_second_writer_on_the_same_run_id_is_refused(first_run):
+    from flows.nightly import nightly
+    from ratchet.store import LeaseHeld, RunLease
+
+    store_uri, _ = first_run
+    with RunLease(open_store(store_uri), "r1", owner="another-process"):
+        with pytest.raises(LeaseHeld, match="another-process"):
+            nightly(tiny(store_uri, run_id="r1"))
+
+
+def test_garbage_latest_falls_back_to_the_newest_good_checkpoint(first_run):
+    from flows.nightly import nightly
+
+    store_uri, summary = first_run
+    open_store(store_uri).put_bytes("runs/r1/checkpoints/LATEST", b"\x00garbage")
+    again = nightly(tiny(store_uri, run_id="r1"))
+    assert again["policy_version"] == 3 and again["final_pass_rate"] == summary["final_pass_rate"]
+
+
+def test_with_every_checkpoint_corrupt_the_run_stops_and_keeps_its_history(first_run):
+    from flows.nightly import nightly
+    from ratchet.train.checkpoint import NoUsableCheckpoint
+
+    store_uri, _ = first_run
+    store = open_store(store_uri)
+    before = store.get_json("runs/r1/summary.json")
+    waves = {k: store.ref(k).sha256 for k in store.list("runs/r1/waves/")}
+    for k in store.list("runs/r1/checkpoints/"):
+        if k.endswith("model.safetensors"):
+            store.path(k).write_bytes(b"not the weights")                # bytes changed behind the store's back
+    with pytest.raises(NoUsableCheckpoint, match="r1"):
+        nightly(tiny(store_uri, run_id="r1"))
+    assert store.get_json("runs/r1/summary.json") == before                # nothing written over
+    assert {k: store.ref(k).sha256 for k in store.list("runs/r1/waves/")} == waves
+    attempts = store.get_json("runs/r1/attempts.json")
+    assert attempts[-1]["outcome"].startswith("failed: NoUsableCheckpoint")

@@ -167,3 +167,26 @@ def test_background_heartbeat_renews_and_stops(store, clock):
     a.release()
     with pytest.raises(LeaseLost, match="does not hold"):
         a.check()
+
+
+def test_a_lease_of_a_killed_process_here_is_taken_over_at_once(store, clock):
+    """Same kernel boot and pid namespace, holder pid gone: no need to wait out the ttl.
+    A holder elsewhere (another proc_ns) is trusted until its heartbeat goes stale."""
+    import json
+    import subprocess
+    import sys
+
+    from ratchet.store.lease import _proc_ns
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = {"format": "ratchet-lease/1", "owner": "killed-run", "token": "t0", "host": socket.gethostname(),
+              "pid": dead.pid, "proc_ns": _proc_ns(), "acquired_at": T0, "heartbeat_at": T0, "ttl_s": 60.0}
+    store.put_bytes(lease_key("r"), json.dumps(record).encode())
+    lease = RunLease(store, "r", owner="restart", ttl_s=60, clock=clock, sleep=clock.advance).acquire()
+    assert store.get_json(lease_key("r"))["owner"] == "restart"
+    lease.release()
+
+    store.put_bytes(lease_key("r"), json.dumps({**record, "proc_ns": "another-machine:1"}).encode())
+    with pytest.raises(LeaseHeld, match="killed-run"):
+        RunLease(store, "r", owner="restart", ttl_s=60, clock=clock, sleep=clock.advance).acquire()

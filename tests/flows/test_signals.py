@@ -1,0 +1,141 @@
+"""`ratchet run` stopped by SIGTERM mid-run: it ends within seconds with one line saying how to
+resume, the attempt is recorded as interrupted, no process of it is left, and the resumed run
+completes with every wave in its summary once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ratchet.store import open_store
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = {
+    "steps": 6, "checkpoint_every": 2,
+    "envs": {"n_train": 60, "n_heldout": 12},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 200, "sft_steps": 20, "sft_batch": 16},
+    "rollout": {"prompts_per_wave": 4, "group_size": 4, "max_new_tokens": 16},
+    "train": {"minibatch_prompts": 2},
+    "gate": {"max_zero_variance_frac": 1.0},
+    "eval": {"n_tasks": 12},
+}
+
+
+def _ratchet_run(tmp_path: Path, store: str, name: str) -> subprocess.Popen:
+    """`ratchet run` in a subprocess; its output goes to files (a full pipe would block it)."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)   # its own ephemeral server, as a user's `ratchet run`
+    return subprocess.Popen([sys.executable, "-m", "ratchet.cli", "run", "--config", str(config), "--run-id", "sig",
+                             "--store", store], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
+                            stderr=open(tmp_path / f"{name}.err", "w"))
+
+
+def _output(tmp_path: Path, name: str) -> tuple[str, str]:
+    return (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d.name))
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_stops_cleanly_and_the_run_resumes(tmp_path):
+    store_uri = str(tmp_path / "store")
+    proc = _ratchet_run(tmp_path, store_uri, "first")
+    store = open_store(store_uri)
+    deadline = time.monotonic() + 300
+    while not store.exists("runs/sig/waves/000002/stats.json"):
+        assert proc.poll() is None, _output(tmp_path, "first")[1][-3000:]
+        assert time.monotonic() < deadline, "the run never reached wave 3"
+        time.sleep(0.2)
+    children = _children_of(proc.pid)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    took = time.monotonic() - t0
+    out, err = _output(tmp_path, "first")
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert took < 20, f"SIGTERM took {took:.1f} s"
+    assert err.strip().splitlines()[-1] == "ratchet run: run sig interrupted by SIGTERM; resume with: ratchet run --run-id sig"
+    assert "Traceback" not in err.strip().splitlines()[-1]
+    time.sleep(1.0)
+    assert [p for p in children if Path(f"/proc/{p}").exists()] == [], "a child process outlived the run"
+    assert store.get_json("runs/sig/attempts.json")[-1]["outcome"] == "interrupted: SIGTERM"
+
+    proc = _ratchet_run(tmp_path, store_uri, "resumed")
+    proc.wait(timeout=600)
+    out, err = _output(tmp_path, "resumed")
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    full = store.get_json("runs/sig/summary.json")
+    assert summary["run_id"] == "sig" and [h["step"] for h in full["history"]] == [0, 1, 2, 3, 4, 5]
+    assert [a["outcome"] for a in full["attempts"]] == ["interrupted: SIGTERM", "completed"]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children_of(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_no_process_behind_and_the_next_attempt_says_so(tmp_path):
+    """The ephemeral Prefect API and the sandbox workers die with a SIGKILLed run."""
+    store_uri = str(tmp_path / "store")
+    proc = _ratchet_run(tmp_path, store_uri, "killed")
+    store = open_store(store_uri)
+    deadline = time.monotonic() + 300
+    while not store.exists("runs/sig/waves/000000/stats.json"):
+        assert proc.poll() is None, _output(tmp_path, "killed")[1][-3000:]
+        assert time.monotonic() < deadline, "the run never finished a wave"
+        time.sleep(0.2)
+    family = _descendants(proc.pid)
+    assert family, "the run has child processes (the API server, sandbox workers)"
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while [p for p in family if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [(p, _cmdline(p)) for p in family if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+    assert left == [], f"processes outlived the SIGKILLed run: {left}"
+
+    proc = _ratchet_run(tmp_path, store_uri, "after-kill")
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, _output(tmp_path, "after-kill")[1][-3000:]
+    attempts = store.get_json("runs/sig/attempts.json")
+    assert attempts[0]["outcome"].startswith("interrupted: the process ended") and attempts[1]["outcome"] == "completed"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0]
+    except (OSError, IndexError):
+        return "zombie"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return ""
