@@ -55,17 +55,25 @@ class TorchEngine:
         return out
 
     def _generate_batch(self, jobs, max_new_tokens, temperature, greedy, gen) -> list[Rollout]:
-        B, P = len(jobs), max(len(ids) for _, ids in jobs)
-        input_ids = torch.full((B, P), self.pad, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for b, (_, ids) in enumerate(jobs):
-            input_ids[b, P - len(ids):] = torch.tensor(ids)
-            attn[b, P - len(ids):] = 1
+        # Jobs come grouped by prompt: prefill each distinct prompt once, then give each of its
+        # samples a copy of its KV cache rows.
+        owner = torch.tensor([i for i, _ in jobs])
+        owner = torch.unique_consecutive(owner, return_inverse=True)[1].to(self.device)  # [B] row -> distinct prompt
+        distinct = [ids for b, (i, ids) in enumerate(jobs) if b == 0 or jobs[b - 1][0] != i]
+        B, U, P = len(jobs), len(distinct), max(len(ids) for ids in distinct)
+        input_ids = torch.full((U, P), self.pad, dtype=torch.long)
+        attn = torch.zeros((U, P), dtype=torch.long)
+        for u, ids in enumerate(distinct):
+            input_ids[u, P - len(ids):] = torch.tensor(ids)
+            attn[u, P - len(ids):] = 1
         input_ids, attn = input_ids.to(self.device), attn.to(self.device)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [B, P]
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)                                  # [U, P]
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos,
                          use_cache=True, logits_to_keep=1)
-        cache, logits = out.cache, out.logits[:, -1].float()                      # [B, V]
+        cache, logits = out.cache, out.logits[:, -1].float()                      # [U, V]
+        if U < B:                                                                 # share the prompt's cache
+            cache.batch_select_indices(owner)
+            logits, attn, pos = logits[owner], attn[owner], pos[owner]            # [B, V], [B, P], [B, P]
         next_pos = pos[:, -1:] + 1                                                # [b, 1]
         rows = torch.arange(B, device=self.device)                                # [b] batch row of each live row
         steps = []                                                                # (rows, tokens, logprobs) per step

@@ -1,5 +1,6 @@
 """The torch rollout engine: KV-cached batched sampling whose log-probs match a full forward."""
 
+import pytest
 import torch
 
 from ratchet.config import ModelConfig
@@ -9,24 +10,59 @@ from ratchet.rollout.torch_engine import TorchEngine
 CORPUS = ["# add 3\ndef f(x):\n    x = x + 3\n    return x\n", "# reverse it\ndef f(s):\n    s = s[::-1]\n    return s\n"] * 20
 
 
+PROMPTS = ["# add 3\ndef f(x):\n", "# reverse it, then add 1 and more\ndef f(s):\n", "# add 3\n"]   # lengths differ
+
+
 def _engine():
     tok = build_tokenizer(CORPUS, 128)
     model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2), tok).eval()
     return TorchEngine(model, tok), model
 
 
-def test_groups_and_logprobs_match_a_full_forward():
+def _full_forward_logprobs(model, r, temperature=1.0) -> torch.Tensor:
+    """log p(completion token | prefix) under logits / temperature, from one forward without a cache."""
+    ids = torch.tensor([r.prompt_ids + r.completion_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1] / temperature, -1)
+    return logp[len(r.prompt_ids) - 1:].gather(1, ids[0, len(r.prompt_ids):, None]).squeeze(1)
+
+
+def _greedy_reference(model, prompt_ids, max_new_tokens, eos) -> list[int]:
+    """Greedy decoding the slow way: a full forward of the whole sequence per token, no cache, no padding."""
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < max_new_tokens and (not out or out[-1] != eos):
+            out.append(int(model(input_ids=torch.tensor([prompt_ids + out])).logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("n, batch_size, temperature", [(3, 128, 1.0), (1, 128, 1.0), (3, 2, 0.7), (4, 5, 1.3)])
+def test_groups_and_logprobs_match_a_full_forward(n, batch_size, temperature):
+    """Shared prompt prefill, groups split across batches (batch_size < n) and n=1 all give
+    grouped rollouts whose behaviour log-probs equal a full forward's."""
     engine, model = _engine()
-    prompts = ["# add 3\ndef f(x):\n", "# reverse it, then add 1 and more\ndef f(s):\n"]   # different lengths: left padding
-    out = engine.generate(prompts, n=3, max_new_tokens=10, seed=0)
-    assert [r.prompt_index for r in out] == [0, 0, 0, 1, 1, 1]
+    out = engine.generate(PROMPTS, n=n, max_new_tokens=10, temperature=temperature, batch_size=batch_size, seed=0)
+    assert [r.prompt_index for r in out] == [i for i in range(len(PROMPTS)) for _ in range(n)]
     for r in out:
+        assert r.prompt_ids == engine.encode_prompts([PROMPTS[r.prompt_index]])[0]
         assert len(r.completion_ids) == len(r.logprobs) <= 10
-        ids = torch.tensor([r.prompt_ids + r.completion_ids])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
-        ref = logp[len(r.prompt_ids) - 1:].gather(1, ids[0, len(r.prompt_ids):, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(r.logprobs), _full_forward_logprobs(model, r, temperature),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_a_from_scratch_reference():
+    engine, model = _engine()
+    out = engine.generate(PROMPTS, n=2, greedy=True, max_new_tokens=12)
+    ref = [_greedy_reference(model, ids, 12, engine.eos) for ids in engine.encode_prompts(PROMPTS)]
+    assert [r.completion_ids for r in out] == [c for c in ref for _ in range(2)]
+
+
+def test_seeded_sampling_is_deterministic():
+    engine, _ = _engine()
+    runs = [[r.completion_ids for r in engine.generate(PROMPTS, n=4, max_new_tokens=12, seed=s)] for s in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    assert len({tuple(c) for c in runs[0]}) > 1          # samples within a group differ
 
 
 def test_greedy_is_deterministic_and_batch_independent():
