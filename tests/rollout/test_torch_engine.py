@@ -2,14 +2,14 @@
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from ratchet.config import ModelConfig
 from ratchet.model import build_model, build_tokenizer
-from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.rollout import decoders
+from ratchet.rollout.torch_engine import TorchEngine, sample
 
 CORPUS = ["# add 3\ndef f(x):\n    x = x + 3\n    return x\n", "# reverse it\ndef f(s):\n    s = s[::-1]\n    return s\n"] * 20
-
-
 PROMPTS = ["# add 3\ndef f(x):\n", "# reverse it, then add 1 and more\ndef f(s):\n", "# add 3\n"]   # lengths differ
 
 
@@ -80,3 +80,36 @@ def test_finished_rollouts_end_with_eos_and_text_excludes_it():
             assert r.completion_ids[-1] == engine.eos and "<eos>" not in r.text
         else:
             assert len(r.completion_ids) == 30
+
+
+def _gqa_engine():
+    """A Llama with grouped-query attention (3 query heads per kv head) and q/k/v biases."""
+    tok = build_tokenizer(CORPUS, 128)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, attention_bias=True,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    return TorchEngine(LlamaForCausalLM(config).eval(), tok)
+
+
+@pytest.mark.parametrize("make", [_engine, _gqa_engine])
+def test_llama_decoder_matches_the_models_own_forward(make, monkeypatch):
+    """The hand-written Llama decode (shared prompt cache) against HF's forward with a DynamicCache."""
+    engine = make()[0] if make is _engine else make()
+    assert decoders.LlamaDecoder.supports(engine.model)
+    kwargs = dict(n=4, max_new_tokens=16, temperature=0.9, batch_size=6, seed=3)
+    fast = engine.generate(PROMPTS, **kwargs)
+    monkeypatch.setattr(decoders.LlamaDecoder, "supports", staticmethod(lambda model: False))
+    slow = engine.generate(PROMPTS, **kwargs)
+    assert [r.completion_ids for r in fast] == [r.completion_ids for r in slow]
+    assert any(r.finished for r in fast) and any(not r.finished for r in fast)     # rows left the batch early
+    for f, s in zip(fast, slow):
+        torch.testing.assert_close(torch.tensor(f.logprobs), torch.tensor(s.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_sample_draws_each_token_with_its_probability():
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0]]).repeat(20000, 1)   # [40000, 4]
+    tok = sample(probs, torch.Generator().manual_seed(0)).view(20000, 2)
+    freq = torch.stack([torch.bincount(tok[:, j], minlength=4) / 20000 for j in range(2)])  # [2, 4]
+    torch.testing.assert_close(freq, probs[:2], atol=0.015, rtol=0)      # ~4 standard errors at p = 0.5
+    assert int(freq[0, 1]) == 0 and tok[:, 1].eq(3).all()                  # zero-probability tokens never drawn
