@@ -63,14 +63,16 @@ class LlamaDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed, self.lm_head, self.final_norm = base.embed_tokens.weight, model.lm_head, base.norm
         self.layers = [_Layer(layer) for layer in base.layers]
-        self.prompt_k = [layer.keys for layer in cache.layers]                    # per layer [U, KVH, P, D]
-        self.prompt_v = [layer.values for layer in cache.layers]
+        # kv head leading: the prompt cache is [KVH, U, P, D], rows' tensors are [KVH, b, ...], so
+        # stacking a prompt's rows for the shared-prompt matmul is a gather along one dim, no transposes
+        self.prompt_k = [layer.keys.transpose(0, 1).contiguous() for layer in cache.layers]    # per layer [KVH, U, P, D]
+        self.prompt_v = [layer.values.transpose(0, 1).contiguous() for layer in cache.layers]
         U, P = attn.shape
         dtype, device = self.prompt_k[0].dtype, attn.device
-        # additive mask over prompt columns, -inf on left padding; broadcasts over [U, KVH, nmax*G, P]
-        self.prompt_bias = torch.zeros(U, 1, 1, P, dtype=dtype, device=device).masked_fill(attn[:, None, None] == 0, float("-inf"))
-        shape = (len(owner), self.kv_heads, max_new_tokens, self.head_dim)
-        self.gen_k = [k.new_empty(shape) for k in self.prompt_k]                  # per layer [b, KVH, T, D]
+        # additive mask over prompt columns, -inf on left padding; broadcasts over [KVH, U, nmax*G, P]
+        self.prompt_bias = torch.zeros(U, 1, P, dtype=dtype, device=device).masked_fill(attn[:, None] == 0, float("-inf"))
+        shape = (self.kv_heads, len(owner), max_new_tokens, self.head_dim)
+        self.gen_k = [k.new_empty(shape) for k in self.prompt_k]                  # per layer [KVH, b, T, D]
         self.gen_v = [v.new_empty(shape) for v in self.prompt_v]
         self.length = 0                                                           # generated columns filled
         # rotary tables for every position a row can reach; rotate_half(x) * sin == swap_halves(x) * signed_sin
@@ -93,43 +95,43 @@ class LlamaDecoder:
         n, g = len(idx), self.length
         for cache in (self.gen_k, self.gen_v):
             for i, c in enumerate(cache):
-                c[:n, :, :g] = c[idx, :, :g]
-                cache[i] = c[:n]
+                c[:, :n, :g] = c[:, :, :g].index_select(1, idx)                    # index_select: ~3x faster than c[:, idx]
+                cache[i] = c[:, :n]
         self._set_rows(self.owner[idx])
 
     def _by_prompt(self, x: torch.Tensor) -> torch.Tensor:
-        """[b, KVH, G, X] rows -> [U, KVH, nmax*G, X], each prompt's live rows stacked (zeros in free slots)."""
-        (b, KVH, G, X), U = x.shape, len(self.prompt_bias)
-        grouped = x.new_zeros(U * self.nmax, KVH, G, X).index_copy_(0, self.flat, x)
-        return grouped.view(U, self.nmax, KVH, G, X).transpose(1, 2).reshape(U, KVH, self.nmax * G, X)
+        """[KVH, b, G, X] rows -> [KVH, U, nmax*G, X], each prompt's live rows stacked (zeros in free slots)."""
+        (KVH, b, G, X), U = x.shape, len(self.prompt_bias)
+        grouped = x.new_zeros(KVH, U * self.nmax, G, X).index_copy_(1, self.flat, x)
+        return grouped.view(KVH, U, self.nmax * G, X)
 
     def _by_row(self, x: torch.Tensor, G: int) -> torch.Tensor:
-        """Inverse of _by_prompt: [U, KVH, nmax*G, X] -> [b, KVH, G, X]."""
-        U, KVH, _, X = x.shape
-        return x.view(U, KVH, self.nmax, G, X).transpose(1, 2).reshape(U * self.nmax, KVH, G, X)[self.flat]
+        """Inverse of _by_prompt: [KVH, U, nmax*G, X] -> [KVH, b, G, X]."""
+        KVH, U, _, X = x.shape
+        return x.view(KVH, U * self.nmax, G, X).index_select(1, self.flat)
 
     def _attend(self, q, k_prompt, v_prompt, k_gen, v_gen) -> torch.Tensor:
-        """Attention of q [b, KVH, G, D] (scaled) over the row's prompt (shared) and its own generated tokens."""
+        """Attention of q [KVH, b, G, D] (scaled) over the row's prompt (shared) and its own generated tokens."""
         G, P = q.shape[2], k_prompt.shape[2]
-        s_prompt = torch.matmul(self._by_prompt(q), k_prompt.transpose(-1, -2)) + self.prompt_bias  # [U, KVH, nmax*G, P]
-        s_gen = torch.matmul(q, k_gen.transpose(-1, -2))                          # [b, KVH, G, g]
-        probs = torch.softmax(torch.cat([self._by_row(s_prompt, G), s_gen], dim=-1), dim=-1)  # [b, KVH, G, P+g]
-        o_prompt = torch.matmul(self._by_prompt(probs[..., :P]), v_prompt)       # [U, KVH, nmax*G, D]
-        return self._by_row(o_prompt, G) + torch.matmul(probs[..., P:], v_gen)    # [b, KVH, G, D]
+        s_prompt = torch.matmul(self._by_prompt(q), k_prompt.transpose(-1, -2)) + self.prompt_bias  # [KVH, U, nmax*G, P]
+        s_gen = torch.matmul(q, k_gen.transpose(-1, -2))                          # [KVH, b, G, g]
+        probs = torch.softmax(torch.cat([self._by_row(s_prompt, G), s_gen], dim=-1), dim=-1)  # [KVH, b, G, P+g]
+        o_prompt = torch.matmul(self._by_prompt(probs[..., :P]), v_prompt)       # [KVH, U, nmax*G, D]
+        return self._by_row(o_prompt, G) + torch.matmul(probs[..., P:], v_gen)    # [KVH, b, G, D]
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         b, H, KVH, D, g = len(tok), self.heads, self.kv_heads, self.head_dim, self.length
-        x = self.embed[tok]                                                       # [b, E]
-        cos, sin = self.cos[pos, None], self.signed_sin[pos, None]                # [b, 1, D]
+        x = self.embed.index_select(0, tok)                                       # [b, E]
+        cos, sin = self.cos.index_select(0, pos)[:, None], self.signed_sin.index_select(0, pos)[:, None]  # [b, 1, D]
         for i, w in enumerate(self.layers):
             qkv = F.linear(F.rms_norm(x, w.norm1.shape, w.norm1, w.eps), w.qkv, w.qkv_bias)  # [b, (H+2*KVH)*D]
             qk = qkv[:, :(H + KVH) * D].view(b, H + KVH, D)
             qk = qk * cos + qk.view(b, H + KVH, 2, D // 2).flip(2).view(b, H + KVH, D) * sin  # rotary, q and k at once
-            self.gen_k[i][:, :, g] = qk[:, H:]                                    # [b, KVH, D]
-            self.gen_v[i][:, :, g] = qkv[:, (H + KVH) * D:].view(b, KVH, D)
-            q = (qk[:, :H] * self.scaling).view(b, KVH, H // KVH, D)              # query head h -> kv head h // G
+            self.gen_k[i][:, :, g] = qk[:, H:].transpose(0, 1)                    # [KVH, b, D]
+            self.gen_v[i][:, :, g] = qkv[:, (H + KVH) * D:].view(b, KVH, D).transpose(0, 1)
+            q = (qk[:, :H] * self.scaling).view(b, KVH, H // KVH, D).transpose(0, 1)  # [KVH, b, G, D]: head h -> kv head h // G
             o = self._attend(q, self.prompt_k[i], self.prompt_v[i], self.gen_k[i][:, :, :g + 1], self.gen_v[i][:, :, :g + 1])
-            x = x + F.linear(o.reshape(b, H * D), w.o, w.o_bias)
+            x = x + F.linear(o.transpose(0, 1).reshape(b, H * D), w.o, w.o_bias)
             gu = F.linear(F.rms_norm(x, w.norm2.shape, w.norm2, w.eps), w.gate_up)  # [b, 2*I]
             x = x + F.linear(F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.down)
         self.length = g + 1
