@@ -1,6 +1,7 @@
 """Decode steps for TorchEngine: one new token per live row, on top of a prefilled prompt cache.
 
-    decoder = make_decoder(model, cache, attn, owner, max_new_tokens)  # cache/attn: one row per distinct prompt
+    new_decoder = decoder_for(model)                                    # once per generate(): fuses weights
+    decoder = new_decoder(cache, attn, owner, max_new_tokens)           # cache/attn: one row per distinct prompt
     logits = decoder.step(tok, pos)                                     # [b] tokens at positions [b] -> [b, V]
     decoder.keep(idx)                                                   # finished rows leave the batch
 
@@ -57,12 +58,12 @@ class LlamaDecoder:
                 and getattr(cfg, "pretraining_tp", 1) == 1 and not getattr(cfg, "mlp_bias", False)
                 and rope in ("default", "linear", "llama3"))   # position-only rotary tables (not "dynamic")
 
-    def __init__(self, model, cache, attn: torch.Tensor, owner: torch.Tensor, max_new_tokens: int):
+    def __init__(self, model, layers: list[_Layer], cache, attn: torch.Tensor, owner: torch.Tensor, max_new_tokens: int):
         cfg, base = model.config, model.model
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.embed, self.lm_head, self.final_norm = base.embed_tokens.weight, model.lm_head, base.norm
-        self.layers = [_Layer(layer) for layer in base.layers]
+        self.layers = layers
         # kv head leading: the prompt cache is [KVH, U, P, D], rows' tensors are [KVH, b, ...], so
         # stacking a prompt's rows for the shared-prompt matmul is a gather along one dim, no transposes
         self.prompt_k = [layer.keys.transpose(0, 1).contiguous() for layer in cache.layers]    # per layer [KVH, U, P, D]
@@ -152,6 +153,9 @@ class _Layer:
         self.down = m.down_proj.weight
 
 
-def make_decoder(model, cache, attn: torch.Tensor, owner: torch.Tensor, max_new_tokens: int):
-    cls = LlamaDecoder if LlamaDecoder.supports(model) else HFDecoder
-    return cls(model, cache, attn, owner, max_new_tokens)
+def decoder_for(model):
+    """-> new_decoder(cache, attn, owner, max_new_tokens): LlamaDecoder where it applies, else HFDecoder."""
+    if LlamaDecoder.supports(model):
+        layers = [_Layer(layer) for layer in model.model.layers]
+        return lambda cache, attn, owner, max_new_tokens: LlamaDecoder(model, layers, cache, attn, owner, max_new_tokens)
+    return lambda cache, attn, owner, max_new_tokens: HFDecoder(model, cache, attn, owner, max_new_tokens)

@@ -5,8 +5,11 @@
 
 Each rollout carries the sampled token ids and their log-probs under the sampling
 distribution (logits / temperature): the behaviour log-probs the trainer's importance
-ratios are taken against. Prompts are left-padded so every sequence's next token sits in
-the last column; a sequence that emits EOS leaves the batch (and its KV cache rows).
+ratios are taken against. A batch holds up to `batch_size` sequences; the distinct prompts
+in it are left-padded and prefilled ONCE, and their KV cache serves the n samples of each
+(ratchet/rollout/decoders.py: a hand-written Llama decode that never copies the prompt's cache,
+or the model's own forward for other architectures). A sequence that emits EOS leaves the batch.
+Speed against `model.generate`: python -m bench.rollout.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ratchet.rollout.decoders import make_decoder
+from ratchet.rollout.decoders import decoder_for
 
 
 @dataclass
@@ -58,13 +61,15 @@ class TorchEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            new_decoder = decoder_for(self.model)
             for start in range(0, len(jobs), batch_size):
-                out += self._generate_batch(jobs[start:start + batch_size], max_new_tokens, temperature, greedy, gen)
+                out += self._generate_batch(jobs[start:start + batch_size], new_decoder, max_new_tokens, temperature,
+                                            greedy, gen)
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_batch(self, jobs, max_new_tokens, temperature, greedy, gen) -> list[Rollout]:
+    def _generate_batch(self, jobs, new_decoder, max_new_tokens, temperature, greedy, gen) -> list[Rollout]:
         # Jobs come grouped by prompt: prefill each distinct prompt once; its samples share its cache.
         owner = torch.tensor([i for i, _ in jobs])
         owner = torch.unique_consecutive(owner, return_inverse=True)[1].to(self.device)  # [B] row -> distinct prompt
@@ -80,7 +85,7 @@ class TorchEngine:
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos,
                          use_cache=True, logits_to_keep=1)
         cache, logits = out.cache, out.logits[:, -1].float()                      # [U, V]
-        decoder = make_decoder(self.model, cache, attn, owner, max_new_tokens)
+        decoder = new_decoder(cache, attn, owner, max_new_tokens)
         logits, pos = logits[owner], pos[owner]                                   # [B, V], [B, P]
         next_pos = pos[:, -1] + 1                                                 # [b]
         rows = torch.arange(B, device=self.device)                                # [b] batch row of each live row
