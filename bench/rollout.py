@@ -1,6 +1,6 @@
 """Benchmark: generation tokens/s of ratchet's TorchEngine against Hugging Face `model.generate`.
 
-    python -m bench.rollout                   # ~1 min on 2 CPU cores; the LAST line is one JSON object
+    python -m bench.rollout                   # ~1-2 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.rollout --prompts 8 --group 8 --max-new-tokens 48 --reps 7
 
 The policy is the embedded tiny model built the way bench.train_step builds it (ratchet.model:
@@ -15,6 +15,10 @@ counted up to and including the first EOS on both sides (HF pads finished rows; 
 not counted). Each repeat draws a fresh batch of prompts, runs both sides on it, alternating which
 goes first, so machine noise hits both alike; the figures are medians over repeats after one
 unmeasured warm-up repeat.
+
+Also measured, same way: the engine with its generic decode (HFDecoder: the model's own forward,
+prompt prefilled once and its cache copied to the samples) instead of the hand-written Llama
+decode, to show what each part is worth.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ def ratchet_run(engine, prompts: list[str], args) -> tuple[int, float]:
     out = engine.generate(prompts, n=args.group, max_new_tokens=args.max_new_tokens, temperature=1.0,
                           batch_size=args.prompts * args.group)
     return sum(len(r.completion_ids) for r in out), time.perf_counter() - t0
+
+
+def generic_decode_run(engine, prompts: list[str], args) -> tuple[int, float]:
+    from ratchet.rollout import decoders
+
+    supports = decoders.LlamaDecoder.supports
+    decoders.LlamaDecoder.supports = staticmethod(lambda model: False)
+    try:
+        return ratchet_run(engine, prompts, args)
+    finally:
+        decoders.LlamaDecoder.supports = supports
 
 
 def hf_run(model, tokenizer, prompts: list[str], args) -> tuple[int, float]:
@@ -79,12 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer, tasks = build_policy(types.SimpleNamespace(n_tasks=args.n_tasks, sft_steps=args.sft_steps))
     engine = TorchEngine(model, tokenizer)
     rng = random.Random(2)
-    sides = {"ratchet": lambda ps: ratchet_run(engine, ps, args), "hf": lambda ps: hf_run(model, tokenizer, ps, args)}
-    tps: dict[str, list[float]] = {"ratchet": [], "hf": []}
-    tokens: dict[str, list[int]] = {"ratchet": [], "hf": []}
+    sides = {"ratchet": lambda ps: ratchet_run(engine, ps, args),
+             "ratchet_generic_decode": lambda ps: generic_decode_run(engine, ps, args),
+             "hf": lambda ps: hf_run(model, tokenizer, ps, args)}
+    tps: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, list[int]] = {name: [] for name in sides}
     for rep in range(args.reps + 1):
         prompts = [tasks[i].prompt for i in rng.sample(range(len(tasks)), args.prompts)]
-        for name in (["ratchet", "hf"] if rep % 2 else ["hf", "ratchet"]):
+        for name in (list(sides) if rep % 2 else list(sides)[::-1]):
             n_tok, dt = sides[name](prompts)
             if rep > 0:
                 tps[name].append(n_tok / dt)
@@ -95,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "reps": args.reps, "sampling": "temperature 1, no top-k/top-p"},
         "mean_completion_tokens": {k: round(statistics.mean(v) / (args.prompts * args.group), 1)
                                    for k, v in tokens.items()},
+        "ratchet_generic_decode_tokens_per_s": round(statistics.median(tps["ratchet_generic_decode"]), 1),
         "torch_threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - t_start, 1),
         "ratchet_tokens_per_s": round(ours, 1),
