@@ -24,6 +24,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.sandbox
+	$(PY) -m bench.rollout
 	$(PY) -m bench.train_step
 
 clean:
