@@ -18,6 +18,7 @@ import threading
 import uuid
 from datetime import datetime, timezone
 
+from ratchet.config import StoreConfig
 from ratchet.store.base import MANIFEST, RESERVED, ArtifactStore, IntegrityError, Ref, _known_root, validate_key
 from ratchet.store.lease import LeaseHeld, LeaseLost, RunLease
 from ratchet.store.local import LocalStore
@@ -49,8 +50,8 @@ def open_store(uri, retry_budget_s: float | None = None) -> ArtifactStore:
     A store is identified by `.ratchet/store.json`, written when it is first created. Opening
     again a store this process has opened before checks that id: a bucket emptied or recreated
     mid-run (a restarted S3 server without its data) is `StoreLost`, never a fresh, empty store."""
-    if hasattr(uri, "uri"):
-        uri, retry_budget_s = uri.uri, getattr(uri, "retry_budget_s", retry_budget_s)
+    if isinstance(uri, StoreConfig):
+        uri, retry_budget_s = uri.uri, uri.retry_budget_s
     uri = str(uri)
     if uri.startswith("s3://"):
         store: ArtifactStore = S3Store(uri) if retry_budget_s is None else S3Store(uri, retry_budget_s=retry_budget_s)
