@@ -145,33 +145,27 @@ class S3Store(ArtifactStore):
                                                                       len(data), metadata=meta))
 
     def _open(self, key: str) -> tuple[BinaryIO, dict[str, Any] | None]:
-        from minio.error import S3Error
-
-        def get():
-            try:
-                return self.client.get_object(self.bucket, self._name(key))
-            except S3Error as e:
-                if e.code in _MISSING:
-                    raise self._not_found(key) from None
-                raise
-
-        resp = self._retrying("get", key, get)
+        resp = self._found("get", key, lambda: self.client.get_object(self.bucket, self._name(key)))
         size = int(resp.headers.get("content-length", 0))
         return _Body(resp), _parse_meta(resp.headers, size)
 
     def _meta(self, key: str) -> dict[str, Any] | None:
+        st = self._found("stat", key, lambda: self.client.stat_object(self.bucket, self._name(key)))
+        return _parse_meta(st.metadata or {}, st.size)
+
+    def _found(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """fn() with retries; an object that is not there is FileNotFoundError (not retried)."""
         from minio.error import S3Error
 
-        def stat():
+        def attempt() -> T:
             try:
-                return self.client.stat_object(self.bucket, self._name(key))
+                return fn()
             except S3Error as e:
                 if e.code in _MISSING:
                     raise self._not_found(key) from None
                 raise
 
-        st = self._retrying("stat", key, stat)
-        return _parse_meta(st.metadata or {}, st.size)
+        return self._retrying(op, key, attempt)
 
     def _list(self, prefix: str) -> Iterator[str]:
         full = self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")

@@ -43,6 +43,17 @@ def _output(tmp_path: Path, name: str) -> tuple[str, str]:
     return (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
 
 
+def _run_until(tmp_path: Path, store_uri: str, name: str, step: int) -> subprocess.Popen:
+    """`ratchet run` in a subprocess, returned once wave `step` is recorded."""
+    proc = _ratchet_run(tmp_path, store_uri, name)
+    store, deadline = open_store(store_uri), time.monotonic() + 300
+    while not store.exists(f"runs/sig/waves/{step:06d}/stats.json"):
+        assert proc.poll() is None, _output(tmp_path, name)[1][-3000:]
+        assert time.monotonic() < deadline, f"the run never finished wave {step}"
+        time.sleep(0.2)
+    return proc
+
+
 def _children_of(pid: int) -> list[int]:
     out = []
     for d in Path("/proc").iterdir():
@@ -59,13 +70,8 @@ def _children_of(pid: int) -> list[int]:
 @pytest.mark.slow
 def test_sigterm_mid_run_stops_cleanly_and_the_run_resumes(tmp_path):
     store_uri = str(tmp_path / "store")
-    proc = _ratchet_run(tmp_path, store_uri, "first")
+    proc = _run_until(tmp_path, store_uri, "first", step=2)
     store = open_store(store_uri)
-    deadline = time.monotonic() + 300
-    while not store.exists("runs/sig/waves/000002/stats.json"):
-        assert proc.poll() is None, _output(tmp_path, "first")[1][-3000:]
-        assert time.monotonic() < deadline, "the run never reached wave 3"
-        time.sleep(0.2)
     children = _children_of(proc.pid)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -103,13 +109,8 @@ def _descendants(pid: int) -> list[int]:
 def test_sigkill_leaves_no_process_behind_and_the_next_attempt_says_so(tmp_path):
     """The ephemeral Prefect API and the sandbox workers die with a SIGKILLed run."""
     store_uri = str(tmp_path / "store")
-    proc = _ratchet_run(tmp_path, store_uri, "killed")
+    proc = _run_until(tmp_path, store_uri, "killed", step=0)
     store = open_store(store_uri)
-    deadline = time.monotonic() + 300
-    while not store.exists("runs/sig/waves/000000/stats.json"):
-        assert proc.poll() is None, _output(tmp_path, "killed")[1][-3000:]
-        assert time.monotonic() < deadline, "the run never finished a wave"
-        time.sleep(0.2)
     family = _descendants(proc.pid)
     assert family, "the run has child processes (the API server, sandbox workers)"
     proc.kill()
