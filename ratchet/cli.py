@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -66,6 +67,7 @@ def run(
     # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
+    _restart_ephemeral_api_if_it_dies()
     from flows.nightly import nightly
     from ratchet.run import Interrupted
 
@@ -112,6 +114,35 @@ def _ephemeral_api_dies_with_us() -> None:
         return subprocess.Popen(*args, **kw)
 
     api.subprocess = SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+
+
+def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> None:
+    """A watchdog thread: an ephemeral API that dies mid-run is started again on its port (its
+    database is a file, so the run's state survives) instead of leaving the run's API calls to
+    retry for minutes. Without an ephemeral API (PREFECT_API_URL set) it watches nothing."""
+    import logging
+    import threading
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    log = logging.getLogger("ratchet.cli")
+
+    def watch() -> None:
+        while True:
+            time.sleep(every_s)
+            for server in list(SubprocessASGIServer._instances.values()):
+                proc = server.server_process
+                if proc is None or proc.poll() is None:
+                    continue
+                log.warning("the ephemeral Prefect API on port %s died (exit %s); starting it again",
+                            server.port, proc.returncode)
+                server.server_process, server.running = None, False
+                try:
+                    server.start()
+                except Exception as e:  # noqa: BLE001 - the run's own calls will report it
+                    log.error("could not restart the ephemeral Prefect API: %s", e)
+
+    threading.Thread(target=watch, name="ephemeral-api-watchdog", daemon=True).start()
 
 
 def _quiet_prefect_exit() -> None:

@@ -50,7 +50,8 @@ def import_command(
     max_mutants: int = typer.Option(AuditConfig().max_mutants, help=describe(AuditConfig, "max_mutants")),
 ) -> None:
     """Import a task file; good lines become a snapshot, bad lines are quarantined with the reason."""
-    from envs.importers import humaneval_path, read_tasks, write_quarantine
+    from envs.humaneval import humaneval_path
+    from envs.importers import read_tasks, write_quarantine
     from envs.production import Production
     from envs.snapshot import save_production
     from ratchet.store import open_store

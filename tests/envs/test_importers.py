@@ -9,7 +9,8 @@ import time
 
 from typer.testing import CliRunner
 
-from envs.importers import default_split, humaneval_path, parse_lines, read_tasks, write_quarantine
+from envs.humaneval import humaneval_path
+from envs.importers import default_split, parse_lines, read_tasks, write_quarantine
 from ratchet.audit import audit
 from ratchet.cli import app as ratchet_app
 from ratchet.config import AuditConfig

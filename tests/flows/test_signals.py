@@ -140,3 +140,20 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
     except OSError:
         return ""
+
+
+@pytest.mark.slow
+def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
+    """The ephemeral API server killed mid-run: the run goes on (a watchdog starts the API again
+    on its port) and prints its result line."""
+    store_uri = str(tmp_path / "store")
+    proc = _run_until(tmp_path, store_uri, "api-killed", step=0)
+    servers = [p for p in _descendants(proc.pid) if "uvicorn" in _cmdline(p)]
+    assert len(servers) == 1, [(p, _cmdline(p)) for p in _descendants(proc.pid)]
+    os.kill(servers[0], signal.SIGKILL)
+    proc.wait(timeout=300)
+    out, err = _output(tmp_path, "api-killed")
+    assert proc.returncode == 0, err[-3000:]
+    assert "ephemeral Prefect API on port" in err and "died" in err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["run_id"] == "sig" and summary["steps"] == 6

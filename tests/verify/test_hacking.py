@@ -261,7 +261,8 @@ def test_humaneval_lying_answers_score_nothing_and_canonical_solutions_pass():
     """HumanEval's own check() compares inside the candidate's process: an object whose __eq__ is
     always True passed 155 of 164 problems. Imported, every problem's results are compared as plain
     data (call tests outside the sandbox, or check on a plain copy): 164/0/0."""
-    from envs.importers import humaneval_path, read_tasks
+    from envs.humaneval import humaneval_path
+    from envs.importers import read_tasks
     specs = read_tasks(humaneval_path(), "humaneval").specs
     assert len(specs) == 164
     answers = {"canonical": None, "always_equal": ALWAYS_EQUAL, "none": "    return None\n"}
@@ -286,7 +287,8 @@ def test_float_tolerance_is_the_verifiers_one_comparison():
 
 
 def test_humaneval_a_correct_answer_rounded_differently_passes_and_random_checks_are_recorded():
-    from envs.importers import humaneval_path, read_tasks
+    from envs.humaneval import humaneval_path
+    from envs.importers import read_tasks
     specs = {s.task_id: s for s in read_tasks(humaneval_path(), "humaneval").specs}
     mad, decode = specs["HumanEval/4"], specs["HumanEval/38"]
     assert mad.metadata["float_tolerance"] == 1e-6 and decode.metadata["guard"] == "call_tests"
