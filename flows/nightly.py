@@ -24,7 +24,7 @@ from ratchet.config import NightlyConfig
 from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
-from tasks.evaluate import evaluate, incumbent_pass_rate, promote
+from tasks.evaluate import evaluate, evaluate_incumbent, promote
 from tasks.gate import gate_wave
 from tasks.produce import produce_envs
 from tasks.rollout import rollout_wave
@@ -68,16 +68,17 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
             policy = checkpoint_policy(policy, cfg)
 
         final = evaluate(policy, heldout, cfg)
-        incumbent = incumbent_pass_rate(heldout, cfg)
-        decision = promote(policy, final["pass_rate"], base["pass_rate"] if incumbent is None else incumbent, cfg)
+        incumbent = evaluate_incumbent(heldout, cfg)
+        decision = promote(policy, final, base if incumbent is None else incumbent, cfg)   # paired, beyond noise
 
     return write_summary(run_id, {
         "run_id": run_id,
         "base_pass_rate": base["pass_rate"],
         "final_pass_rate": final["pass_rate"],
-        "incumbent_pass_rate": incumbent,
+        "incumbent_pass_rate": incumbent["pass_rate"] if incumbent else None,
         "promoted": decision["promoted"],
         "promotion": decision["reason"],
+        "decision": decision,
         "steps": cfg.steps,
         "policy_version": policy.version,
         "checkpoint": policy.checkpoint.uri if policy.checkpoint else None,

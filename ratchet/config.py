@@ -196,7 +196,14 @@ class GateConfig(Frozen):
 
 class EvalConfig(Frozen):
     n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated (pass@1, greedy).")
-    min_gain: float = Field(0.0, ge=0, le=1, description="A checkpoint is promoted only if it beats the incumbent by more than this.")
+    min_gain: float = Field(
+        0.0, ge=0, le=1, description="A checkpoint is promoted only if the lower bound of the confidence interval of its "
+        "held-out pass-rate gain over the incumbent (same tasks, paired) is above this (a fraction: 0.02 = 2 points)."
+    )
+    confidence: float = Field(
+        0.95, gt=0.5, lt=1, description="Confidence of the paired test behind promotion: paired bootstrap interval over "
+        "tasks, and McNemar's exact test at p < 1 - confidence."
+    )
     every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
 
 

@@ -39,28 +39,33 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     ref = store.write_table(f"{key}.parquet", result.rows)
     get_run_logger().info("policy v%d held-out pass@1 %.3f %s", policy.version, result.pass_rate, result.by_difficulty)
     out = {"version": policy.version, "pass_rate": result.pass_rate, "by_difficulty": result.by_difficulty,
-           "n_tasks": result.n_tasks, "env_errors": result.env_errors, "eval": ref.uri}
+           "n_tasks": result.n_tasks, "env_errors": result.env_errors, "eval": ref.uri, "results": result.results}
     store.put_json(f"{key}.json", out)
     return out
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def incumbent_pass_rate(heldout: list[Ref], cfg: NightlyConfig) -> float | None:
-    """The promoted model's pass@1 on this run's held-out tasks (None when nothing is promoted)."""
+def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
+    """The promoted model on this run's held-out tasks: pass_rate and per-task results (None
+    when nothing is promoted yet)."""
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     if pointer is None:
         return None
     with tempfile.TemporaryDirectory(prefix="ratchet-incumbent-") as tmp:
         model, tokenizer = load_policy(store.get_dir(pointer, Path(tmp)))
-        return _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg).pass_rate
+        result = _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg)
+    return {"pass_rate": result.pass_rate, "results": result.results, "checkpoint": pointer.uri}
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def promote(policy: sessions.PolicyRef, candidate: float, incumbent: float | None, cfg: NightlyConfig) -> dict:
-    """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent."""
-    ok, why = should_promote(candidate, incumbent, cfg.eval.min_gain)
-    get_run_logger().info("promotion: %s", why)
-    if ok and policy.checkpoint is not None:
+def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None, cfg: NightlyConfig) -> dict:
+    """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent beyond
+    noise (`ratchet.eval.should_promote`). candidate / incumbent: `evaluate` results of each."""
+    d = should_promote(candidate["results"], incumbent["results"] if incumbent else None, cfg.eval)
+    get_run_logger().info("promotion: %s", d.reason)
+    if d.promote and policy.checkpoint is not None:
         open_store(cfg.store).set_pointer(INCUMBENT, policy.checkpoint)
-    return {"promoted": ok, "reason": why, "checkpoint": policy.checkpoint.uri if ok and policy.checkpoint else None}
+    return {"promoted": d.promote, "reason": d.reason, "estimate": d.estimate, "ci": [d.ci_low, d.ci_high],
+            "p_value": d.p_value, "method": d.method,
+            "checkpoint": policy.checkpoint.uri if d.promote and policy.checkpoint else None}

@@ -1,7 +1,7 @@
 """Held-out evaluation and the promotion rule.
 
     result = evaluate(engine, heldout_specs, cfg.verify, max_new_tokens=48)   # pass@1, greedy
-    promote, why = should_promote(result.pass_rate, incumbent=0.21, min_gain=0.0)
+    decision = should_promote(result.results, incumbent_results, cfg.eval)      # paired, with a CI
 
 pass@1 counts a task as solved when its greedy completion passed (`Verification.passed`, the
 verifier's one definition, the audit's too: every hidden test, within the time limit).
@@ -17,7 +17,8 @@ from typing import Sequence
 import polars as pl
 
 from envs.spec import TaskSpec
-from ratchet.config import VerifyConfig
+from ratchet.config import EvalConfig, VerifyConfig
+from ratchet.eval.stats import PromotionDecision, decide
 from ratchet.verify import verify_many
 
 
@@ -28,6 +29,11 @@ class EvalResult:
     env_errors: int
     by_difficulty: dict[int, float] = field(default_factory=dict)
     rows: pl.DataFrame | None = None
+
+    @property
+    def results(self) -> dict[str, bool | None]:
+        """{task_id: passed}, None where verification was an env_error: what promotion pairs."""
+        return {t: (None if e else p) for t, e, p in self.rows.select("task_id", "env_error", "passed").iter_rows()}
 
 
 def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyConfig(), max_new_tokens: int = 48,
@@ -55,10 +61,20 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
     )
 
 
-def should_promote(candidate: float, incumbent: float | None, min_gain: float = 0.0) -> tuple[bool, str]:
-    """Promote only a checkpoint that beats the incumbent by more than `min_gain`."""
+def should_promote(candidate: dict[str, bool | None], incumbent: dict[str, bool | None] | None,
+                   cfg: EvalConfig = EvalConfig()) -> PromotionDecision:
+    """The promotion rule: candidate and incumbent judged on the same held-out tasks, paired.
+
+    candidate / incumbent: {task_id: passed} (None: that task's verification was an env_error;
+    a task is compared only where both have a verdict). Promote only when the lower bound of the
+    `cfg.confidence` interval of the pass-rate gain exceeds `cfg.min_gain` and (one sample per
+    task) McNemar's exact test agrees: `ratchet.eval.stats.decide`. No incumbent: promote.
+    """
+    cand = {t: p for t, p in candidate.items() if p is not None}
     if incumbent is None:
-        return True, f"no incumbent; candidate pass@1 {candidate:.3f}"
-    if candidate > incumbent + min_gain:
-        return True, f"candidate {candidate:.3f} beats incumbent {incumbent:.3f} (+{min_gain:.3f} required)"
-    return False, f"candidate {candidate:.3f} does not beat incumbent {incumbent:.3f} (+{min_gain:.3f} required)"
+        return decide([[p] for p in cand.values()], None, confidence=cfg.confidence, min_gain=cfg.min_gain)
+    tasks = [t for t in cand if incumbent.get(t) is not None]
+    if not tasks:
+        raise ValueError("should_promote: candidate and incumbent share no task with a verdict")
+    return decide([[cand[t]] for t in tasks], [[incumbent[t]] for t in tasks],
+                  confidence=cfg.confidence, min_gain=cfg.min_gain)

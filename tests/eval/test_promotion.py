@@ -5,22 +5,33 @@ from __future__ import annotations
 import pytest
 
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
-from ratchet.config import VerifyConfig
+from ratchet.config import EvalConfig, VerifyConfig
 from ratchet.eval import evaluate, should_promote
 
 
+def _solved(ids: range, n: int = 300) -> dict[str, bool | None]:
+    return {f"t{i}": i in ids for i in range(n)}
+
+
 @pytest.mark.parametrize("candidate, incumbent, min_gain, promote", [
-    (0.40, 0.20, 0.00, True),      # a clear win
-    (0.21, 0.20, 0.00, True),      # any win, with no margin asked
-    (0.21, 0.20, 0.05, False),     # a win smaller than the margin
-    (0.20, 0.20, 0.00, False),     # a tie never promotes
-    (0.10, 0.20, 0.00, False),     # a regression
-    (0.00, None, 0.00, True),      # nothing promoted yet: the first candidate is
+    (_solved(range(120)), _solved(range(60)), 0.00, True),       # a clear win: +20 points, 60 more tasks
+    (_solved(range(120)), _solved(range(60)), 0.30, False),      # a win, but below the asked-for margin
+    (_solved(range(61)), _solved(range(60)), 0.00, False),       # one task out of 300: a tie within noise
+    (_solved(range(60)), _solved(range(60)), 0.00, False),       # identical results
+    (_solved(range(30)), _solved(range(60)), 0.00, False),       # a regression
+    (_solved(range(0)), None, 0.00, True),                       # nothing promoted yet: the first candidate is
 ])
 def test_should_promote_by_hand(candidate, incumbent, min_gain, promote):
-    ok, why = should_promote(candidate, incumbent, min_gain)
-    assert ok is promote
-    assert ("no incumbent" in why) if incumbent is None else (f"{candidate:.3f}" in why and f"{incumbent:.3f}" in why)
+    d = should_promote(candidate, incumbent, EvalConfig(min_gain=min_gain))
+    assert d.promote is promote
+    assert d.reason.startswith("Promote" if promote else "Keep the incumbent")
+
+
+def test_tasks_without_a_verdict_on_either_side_are_left_out():
+    cand = {**_solved(range(120)), "t0": None}           # t0's verification failed for the candidate
+    inc = {**_solved(range(60)), "t1": None}
+    d = should_promote(cand, inc, EvalConfig())
+    assert "298 tasks" in d.reason and d.promote
 
 
 class _Engine:

@@ -57,7 +57,10 @@ def test_a_candidate_below_the_bar_is_not_promoted(first_run):
     pointer untouched. (The rule itself is tested on hand-built cases in tests/eval, the promote
     task in tests/tasks.)"""
     store_uri, summary = first_run
-    assert summary["promoted"] is False and "does not beat" in summary["promotion"]
+    assert summary["promoted"] is False and summary["promotion"].startswith("Keep the incumbent")
+    assert "does not exceed the required gain of +100.0 points" in summary["promotion"]
+    d = summary["decision"]
+    assert d["ci"][0] <= d["estimate"] <= d["ci"][1] and d["method"] == "paired bootstrap + exact McNemar"
     assert open_store(store_uri).get_pointer("models/promoted/INCUMBENT") is None
 
 
