@@ -18,14 +18,22 @@ from ratchet.verify import verify_many
 
 
 def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
-    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum) x `group_size`."""
+    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum) x `group_size`.
+    The tasks and the samples are a function of (weights, train.seed, step) alone, so a wave redone
+    after a resume from the same checkpoint draws the same completions."""
     family = get_family(tasks[0].family)
     specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, family.curriculum, cfg.train.seed)
     rollouts = engine.generate(
         [s.prompt for s in specs], n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size,
+        seed=wave_seed(cfg.train.seed, step),
     )
     return wave_frame(run_id, step, version, specs, rollouts, cfg.rollout.group_size)
+
+
+def wave_seed(seed: int, step: int) -> int:
+    """The sampling seed of wave `step`: distinct per wave, the same on every machine and attempt."""
+    return (seed * 1_000_003 + step) % 2**63
 
 
 def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:

@@ -70,3 +70,22 @@ def test_gae_fills_token_advantages_not_the_scalar(estimator):
         assert [len(t) for t in frame["token_advantages"].to_list()] == [1, 1]   # one per completion token
     else:
         assert frame["token_advantages"].to_list() == [None, None]
+
+
+def test_a_wave_is_a_function_of_weights_seed_and_step():
+    """What lets a resumed run redo a wave identically: no global RNG in the sampling."""
+    import torch
+
+    from envs.registry import get_family
+    from ratchet.rollout.torch_engine import TorchEngine
+    from ratchet.stages import rollout
+
+    fam = get_family("python_functions")
+    tasks = [fam.generate(fam.config(), 0, i, 1, "train") for i in range(8)]
+    cfg = NightlyConfig(rollout=RolloutConfig(prompts_per_wave=4, group_size=2, max_new_tokens=8))
+    engine = TorchEngine(tiny.model(), tiny.tokenizer())
+    a = rollout(engine, tasks, "r", 3, 0, cfg)
+    torch.manual_seed(12345)                     # whatever else happened in between
+    b = rollout(engine, tasks, "r", 3, 0, cfg)
+    c = rollout(engine, tasks, "r", 4, 0, cfg)
+    assert a.equals(b) and not a["completion_ids"].equals(c["completion_ids"])
