@@ -64,8 +64,12 @@ def read_text(path: Path, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        fail(f"{what} is not UTF-8 text: byte 0x{data[e.start]:02x} at line {line}", path)
+        fail(f"{what} is not UTF-8 text: {_where_in(data, e)}", path)
+
+
+def _where_in(data: bytes, e: UnicodeDecodeError) -> str:
+    line = data.count(b"\n", 0, e.start) + 1
+    return f"byte 0x{data[e.start]:02x} at line {line}"
 
 
 def read_python(path: Path) -> str:
@@ -75,9 +79,14 @@ def read_python(path: Path) -> str:
         fail("a binary file, expected Python source", path)
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-        return data.decode(encoding)
-    except (SyntaxError, UnicodeDecodeError, LookupError) as e:
+    except SyntaxError as e:
         fail(f"not Python source text: {str(e).splitlines()[0]}", path)
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError as e:
+        fail(f"not {encoding} text: {_where_in(data, e)}", path)
+    except LookupError:
+        fail(f"unknown source encoding {encoding!r}", path)
 
 
 class OneLineErrors(TyperGroup):
