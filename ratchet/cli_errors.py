@@ -79,7 +79,11 @@ def read_python(path: Path) -> str:
         fail("a binary file, expected Python source", path)
     try:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
-    except SyntaxError as e:
+    except SyntaxError as e:           # a bad coding line, or undecodable bytes in the first two lines
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as u:
+            fail(f"not utf-8 text: {_where_in(data, u)}", path)
         fail(f"not Python source text: {str(e).splitlines()[0]}", path)
     try:
         return data.decode(encoding)
