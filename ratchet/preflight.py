@@ -74,7 +74,7 @@ def check_store(uri: str) -> list[str]:
     """Problems of the store at `uri`: its scheme, then whether it can be reached and written."""
     if uri.startswith("s3://"):
         return _s3(uri)
-    if "://" in uri:
+    if "://" in uri and not uri.startswith("file://"):
         scheme = uri.split("://", 1)[0]
         return [f"store.uri {uri!r}: unsupported scheme {scheme!r}; use a path, file:///path or s3://bucket/prefix"]
     path = uri[len("file://"):] if uri.startswith("file://") else uri

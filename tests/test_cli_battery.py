@@ -142,6 +142,7 @@ CASES = [
     ("run-store-s3-no-bucket", "run --store s3://", 2, "names no bucket"),
     ("run-store-is-a-file", "run --store {a_file}", 2, "is not a directory"),
     ("run-store-under-a-file", "run --store {a_file}/store", 2, "is not a directory"),
+    ("run-store-file-uri-under-a-file", "run --store file://{a_file}/store", 2, "is not a directory"),
     ("run-model-missing", "run --config {config_no_model}", 2, "model.path"),
     ("run-model-not-hf", "run --config {config_not_hf}", 2, "no config.json"),
     ("run-unknown-family", "run --config {config_family}", 2, "unknown environment family"),
