@@ -296,3 +296,19 @@ def test_s3_endpoint_that_does_not_answer(s3_env, files, no_flow, monkeypatch):
     assert time.monotonic() - t0 < 15      # short timeout, no retry storm
     _assert_clean_failure(res, 2, "does not answer")
     assert no_flow == []
+
+
+def test_an_unforeseen_failure_is_one_line_too(files, no_flow, monkeypatch):
+    """The last guard (OneLineErrors): an exception nobody caught is one line, exit 1;
+    RATCHET_DEBUG=1 lets the traceback through."""
+    def boom(cfg):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(sys.modules["flows.nightly"], "nightly", boom)
+    argv = ["run", "--steps", "1", "--store", files["store"]]
+    res = CliRunner().invoke(app, argv)
+    assert res.exit_code == 1 and res.stderr.strip().splitlines() == [
+        "error: RuntimeError: disk on fire (ratchet run; RATCHET_DEBUG=1 shows the traceback)"], res.stderr
+    monkeypatch.setenv("RATCHET_DEBUG", "1")
+    res = CliRunner().invoke(app, argv)
+    assert isinstance(res.exception, RuntimeError)
