@@ -7,6 +7,9 @@
     ratchet gate check FILE.parquet                                               the wave gate
 
 Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
+`run` checks its settings first (`ratchet.preflight`) and exits 2, one line per problem,
+before Prefect is imported or anything starts. Every command fails with one line on stderr,
+`error: <what> (<where>)`: exit 2 for bad input or usage, 1 for a check that ran and failed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import os
 import signal
 import sys
-import time
+import threading
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -23,6 +26,7 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
+from ratchet.cli_errors import OneLineErrors, fail, message, read_text
 from ratchet.config import NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
@@ -30,7 +34,7 @@ from ratchet.sandbox.cli import app as sandbox_app
 from ratchet.verify.cli import verify_command
 
 app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestrated with Prefect.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, cls=OneLineErrors)
 app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspect its mechanisms.")
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
 app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
@@ -44,38 +48,32 @@ def run(
     steps: Optional[int] = typer.Option(None, help=f"{describe(NightlyConfig, 'steps')} [default: {NightlyConfig().steps}]"),
     run_id: Optional[str] = typer.Option(None, help="Run id; an existing one is resumed from its LATEST checkpoint."),
     store: Optional[str] = typer.Option(None, help=f"{describe(StoreConfig, 'uri')} [default: {StoreConfig().uri}]"),
-    config: Optional[Path] = typer.Option(None, exists=True, dir_okay=False,
-                                          help="JSON file of NightlyConfig fields (overrides)."),
+    config: Optional[Path] = typer.Option(None, help="JSON file of NightlyConfig fields (overrides)."),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
-    fields = json.loads(config.read_text()) if config else {}
-    if steps is not None:
-        fields["steps"] = steps
-    if run_id is not None:
-        fields["run_id"] = run_id
-    if store is not None:
-        fields["store"] = {"uri": store}
+    cfg = _settings(config, steps, run_id, store)
+    from ratchet.preflight import SettingsError, require
+
     try:
-        cfg = NightlyConfig.model_validate(fields)
-    except ValidationError as e:
-        where = f" in {config}" if config else ""
-        typer.echo(f"error: invalid nightly config{where}:\n{e}", err=True)
-        raise typer.Exit(2)
+        require(cfg)               # before Prefect is imported: a bad setting costs a second, not a run
+    except SettingsError as e:
+        for problem in e.problems:
+            typer.echo(message(problem, config or "settings"), err=True)
+        raise typer.Exit(2) from None
     if cfg.run_id is None:   # named here, so that every message can say how to resume it
         cfg = cfg.model_copy(update={"run_id": datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")})
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
-    _restart_ephemeral_api_if_it_dies()
     from flows.nightly import nightly
     from ratchet.run import Interrupted
 
     def stop(signum, _frame):
         raise Interrupted(signum)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stop)
+    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    watchdog = _restart_ephemeral_api_if_it_dies()
     resume = f"resume with: ratchet run --run-id {cfg.run_id}"
     try:
         summary = nightly(cfg)
@@ -84,12 +82,44 @@ def run(
         typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {e.args[0]}; {resume}", err=True)
         raise typer.Exit(128 + e.signum)
     except Exception as e:   # the flow has logged the traceback; the last line says what failed
+        if os.environ.get("RATCHET_DEBUG"):
+            raise
         _quiet_prefect_exit()
         first = (str(e).strip().splitlines() or [""])[0]
-        typer.echo(f"error: run {cfg.run_id} failed: {type(e).__name__}: {first}; {resume}", err=True)
+        typer.echo(f"error: {type(e).__name__}: {first} (run {cfg.run_id}; {resume})", err=True)
         raise typer.Exit(1)
+    finally:
+        watchdog.set()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     _quiet_prefect_exit()
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
+
+
+def _settings(config: Path | None, steps: int | None, run_id: str | None, store: str | None) -> NightlyConfig:
+    """The run's NightlyConfig from --config and the options; fail (exit 2) naming each bad field."""
+    fields = {}
+    if config is not None:
+        text = read_text(config, "config file")
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as e:
+            fail(f"malformed JSON: {e.msg}", f"{config}:{e.lineno}:{e.colno}")
+        if not isinstance(fields, dict):
+            fail(f"the config must be a JSON object of NightlyConfig fields, got a {type(fields).__name__}", config)
+    for name, value in (("steps", steps), ("run_id", run_id)):
+        if value is not None:
+            fields[name] = value
+    if store is not None:
+        fields["store"] = {"uri": store}
+    try:
+        return NightlyConfig.model_validate(fields)
+    except ValidationError as e:
+        for err in e.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "(config)"
+            got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
+            typer.echo(message(f"field {where!r}: {err['msg']}{got}", config or "options"), err=True)
+        raise typer.Exit(2)
 
 
 def _ephemeral_api_dies_with_us() -> None:
@@ -116,20 +146,20 @@ def _ephemeral_api_dies_with_us() -> None:
     api.subprocess = SimpleNamespace(**{**vars(subprocess), "Popen": popen})
 
 
-def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> None:
+def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
     """A watchdog thread: an ephemeral API that dies mid-run is started again on its port (its
     database is a file, so the run's state survives) instead of leaving the run's API calls to
     retry for minutes. Without an ephemeral API (PREFECT_API_URL set) it watches nothing."""
     import logging
-    import threading
 
     from prefect.server.api.server import SubprocessASGIServer
 
     log = logging.getLogger("ratchet.cli")
 
+    stopped = threading.Event()
+
     def watch() -> None:
-        while True:
-            time.sleep(every_s)
+        while not stopped.wait(every_s):
             for server in list(SubprocessASGIServer._instances.values()):
                 proc = server.server_process
                 if proc is None or proc.poll() is None:
@@ -143,6 +173,7 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> None:
                     log.error("could not restart the ephemeral Prefect API: %s", e)
 
     threading.Thread(target=watch, name="ephemeral-api-watchdog", daemon=True).start()
+    return stopped      # set it to stop watching
 
 
 def _quiet_prefect_exit() -> None:

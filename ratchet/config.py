@@ -17,6 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ratchet.sandbox.model import Limits
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""A run id is one store key component (runs/<run_id>/...): no '/', and (checked apart) no '..'."""
+
+
 class Frozen(BaseModel):
     """Base for every config: immutable, unknown keys are an error."""
 
@@ -210,7 +214,10 @@ class EvalConfig(Frozen):
 class NightlyConfig(Frozen):
     """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
 
-    run_id: str | None = Field(None, max_length=128, description="Run id; empty: a timestamped id.")
+    run_id: str | None = Field(
+        None, max_length=128, pattern=RUN_ID_PATTERN,
+        description="Run id: letters, digits and '._-' (no '..'); an existing one resumes. Empty: a timestamped id.",
+    )
     steps: int = Field(90, ge=1, le=1_000_000, description="Rollout waves (each followed by a training epoch).")
     checkpoint_every: int = Field(10, ge=1, le=1_000_000, description="Write a checkpoint every N waves (and at the end).")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Where artifacts live.")
@@ -224,3 +231,10 @@ class NightlyConfig(Frozen):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How verifier metrics become rewards.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Validation gate thresholds.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation and promotion.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _no_parent(cls, value: str | None) -> str | None:
+        if value is not None and ".." in value:
+            raise ValueError("a run id may not contain '..'")
+        return value

@@ -9,6 +9,10 @@ them), prints every error of each bad line, one line each (file:line: field 'x':
 writes the bad lines with all their errors to a quarantine file; `--audit` then audits the snapshot in the sandbox
 (`ratchet.audit`, with the AuditConfig and VerifyConfig defaults). Defaults of the options
 come from `ratchet.config`. No Prefect is imported here.
+
+Exit codes: 0 every line imported; 2 some lines quarantined, or bad input (a missing,
+binary or undecodable file, a directory, no good line at all, an unusable --store: one
+`error:` line, and the store is not touched).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Optional
 
 import typer
 
+from ratchet.cli_errors import fail, read_text
 from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, describe
 
 app = typer.Typer(help="Environments: import users' task files, audit them.", no_args_is_help=True)
@@ -51,30 +56,37 @@ def import_command(
 ) -> None:
     """Import a task file; good lines become a snapshot, bad lines are quarantined with the reason."""
     from envs.humaneval import humaneval_path
-    from envs.importers import read_tasks, write_quarantine
+    from envs.importers import FORMATS, parse_lines, write_quarantine
     from envs.production import Production
     from envs.snapshot import save_production
+    from ratchet.preflight import check_store
     from ratchet.store import open_store
 
     if humaneval:
         file, format = humaneval_path(), "humaneval"
     if file is None:
-        _err("error: give a FILE or --humaneval")
-        raise typer.Exit(1)
-    if not file.exists():
-        _err(f"error: {file}: no such file")
-        raise typer.Exit(1)
-    try:
-        result = read_tasks(file, format, family, split)
-    except ValueError as e:
-        _err(f"error: {e}")
-        raise typer.Exit(1)
+        fail("give a FILE or --humaneval", "ratchet envs import")
+    if format not in FORMATS:
+        fail(f"unknown format {format!r}; known: {', '.join(FORMATS)}", "--format")
+    if split not in (None, "train", "heldout"):
+        fail(f"unknown split {split!r}; use train or heldout", "--split")
+    for name, value in (("--family", family), ("--version", version)):
+        if value is not None and not _key_part(value):
+            fail(f"{value!r} cannot name a store folder: letters, digits and '._-' only", name)
+    result = parse_lines(read_text(file, "task file").split("\n"), format, str(file), family, split)
     for bad in result.bad:
         _err(bad.message())
     if result.bad:
         qpath = quarantine or file.with_name(file.name.removesuffix(".gz") + ".quarantine.jsonl")
-        write_quarantine(qpath, result.bad)
+        try:
+            write_quarantine(qpath, result.bad)
+        except OSError as e:
+            fail(f"cannot write the quarantine file: {e.strerror or e}", qpath)
         _err(f"{len(result.bad)} bad line(s) quarantined in {qpath}")
+    if not result.specs:
+        fail("no good task line to import", file)
+    for problem in check_store(store):
+        fail(problem, "--store")
     digest = hashlib.sha256(file.read_bytes()).hexdigest()
     st = open_store(store)
     by_family = defaultdict(list)
@@ -91,10 +103,15 @@ def import_command(
         if audit:
             summary.update(_audit(st, prod, max_mutants))
         typer.echo(json.dumps(summary))
-    if not result.specs:
-        raise typer.Exit(1)
     if result.bad:
         raise typer.Exit(2)
+
+
+def _key_part(name: str) -> bool:
+    """`name` is usable as one component of a store key (envs/<family>/<version>/...)."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name
 
 
 def _audit(st, prod, max_mutants: int) -> dict:

@@ -3,7 +3,8 @@
     ratchet gate check runs/<id>/waves/3/trajectories.parquet --reward-min -0.5 --reward-max 1 --max-tokens 256
     ratchet gate check envs/python_functions/v1/audit.parquet      # a task table: the task gate
 
-Prints the report (Markdown, or JSON with --json) and exits 1 when the gate fails.
+Prints the report (Markdown, or JSON with --json) and exits 1 when the gate fails; a file
+that is missing, not Parquet, or shares no column with the gate's table is one `error:` line, exit 2.
 Mounted by ratchet/cli.py as `app.add_typer(gate_app, name="gate")`.
 """
 
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from ratchet.cli_errors import fail
 
 app = typer.Typer(help="Validation gates on Parquet tables (Great Expectations).", no_args_is_help=True)
 
@@ -47,16 +50,27 @@ def check(
     from ratchet.config import GateConfig
     from ratchet.data.gates import check_tasks, check_wave
 
+    from ratchet.data.schemas import TASK_SCHEMA, TRAJECTORY_SCHEMA
+
     if (reward_min is None) != (reward_max is None):
-        raise typer.BadParameter("give both --reward-min and --reward-max, or neither")
+        fail("give both --reward-min and --reward-max, or neither", "--reward-min / --reward-max")
     if reward_min is not None and reward_min > reward_max:
-        raise typer.BadParameter(f"--reward-min {reward_min} is above --reward-max {reward_max}")
+        fail(f"--reward-min {reward_min} is above --reward-max {reward_max}", "--reward-min / --reward-max")
+    if not file.exists():
+        fail("no such file", file)
+    if file.is_dir():
+        fail("a directory, expected a Parquet file", file)
     try:
         df = pl.read_parquet(file)
     except (OSError, pl.exceptions.PolarsError) as e:
-        raise typer.BadParameter(f"cannot read {file} as Parquet: {e}", param_hint="FILE") from e
+        fail(f"cannot read as Parquet: {str(e).splitlines()[0]}", file)
 
-    if kind is Kind.tasks or (kind is Kind.auto and "spec_json" in df.columns):
+    tasks = kind is Kind.tasks or (kind is Kind.auto and "spec_json" in df.columns)
+    schema = TASK_SCHEMA if tasks else TRAJECTORY_SCHEMA
+    if not set(df.columns) & set(schema):
+        fail(f"the table shares no column with a {'task' if tasks else 'wave'} table "
+             f"(has {', '.join(df.columns[:8]) or 'no columns'}; expected e.g. {', '.join(list(schema)[:4])})", file)
+    if tasks:
         report = check_tasks(df, source=str(file))
     else:
         overrides = {k: v for k, v in {"max_env_error_rate": max_env_error_rate,

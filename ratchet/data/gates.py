@@ -258,7 +258,8 @@ def _schema_failures(df: pl.DataFrame, schema: pl.Schema, required: list[str]) -
         if c in df.columns and df.schema[c] != t:
             out.append(GateFailure("column_types", "expect_column_values_to_be_of_type", c, df.height,
                                    [f"got {df.schema[c]}, expected {t}"], detail=f"{c} is {df.schema[c]}, the schema says {t}"))
-    nulls = df.select([pl.col(c).null_count() for c in required if c in df.columns]).row(0, named=True) if required else {}
+    present = [c for c in required if c in df.columns]     # none present: nothing to count (not a crash)
+    nulls = df.select([pl.col(c).null_count() for c in present]).row(0, named=True) if present else {}
     for c, n in nulls.items():
         if n:
             rows = df.with_row_index("row").filter(pl.col(c).is_null())["row"].head(N_EXAMPLES).to_list()

@@ -2,6 +2,8 @@
 
     ratchet sandbox run solution.py --timeout 2 --memory-mb 256 --json
     ratchet sandbox doctor
+
+A missing, binary or undecodable FILE, or a backend this host lacks: one `error:` line, exit 2.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import sys
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
+from ratchet.cli_errors import fail, read_python
 from ratchet.config import VerifyConfig, describe
 
 app = typer.Typer(help="Run untrusted Python in ratchet's sandbox.", no_args_is_help=True)
@@ -18,7 +22,7 @@ app = typer.Typer(help="Run untrusted Python in ratchet's sandbox.", no_args_is_
 
 @app.command()
 def run(
-    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Python file to run as the main program."),
+    file: Path = typer.Argument(..., help="Python file to run as the main program."),
     timeout: float = typer.Option(VerifyConfig().timeout_s, "--timeout", help=describe(VerifyConfig, "timeout_s")),
     memory_mb: int = typer.Option(VerifyConfig().memory_mb, "--memory-mb", help=describe(VerifyConfig, "memory_mb")),
     backend: str = typer.Option("auto", "--backend", help="zygote | bwrap | subprocess | auto."),
@@ -28,11 +32,17 @@ def run(
     from . import Payload, Sandbox
     try:
         limits = VerifyConfig(timeout_s=timeout, memory_mb=memory_mb).sandbox_limits()
-    except ValueError as e:
-        raise typer.BadParameter(str(e).splitlines()[-1]) from None
+    except ValidationError as e:
+        err = e.errors()[0]
+        fail(f"{err['msg']} (got {err['input']})", "--timeout" if err["loc"] == ("timeout_s",) else "--memory-mb")
+    code = read_python(file)
     stdin = b"" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer.read()
-    with Sandbox(limits, backend=backend, concurrency=1) as sb:
-        res = sb.run(Payload(code=file.read_text(), stdin=stdin))
+    try:
+        sandbox = Sandbox(limits, backend=backend, concurrency=1)
+    except (ValueError, RuntimeError) as e:
+        fail(str(e), f"--backend {backend}")
+    with sandbox as sb:
+        res = sb.run(Payload(code=code, stdin=stdin))
     if as_json:
         typer.echo(json.dumps(res.to_dict(), indent=2))
     else:

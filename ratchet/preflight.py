@@ -1,0 +1,192 @@
+"""Settings checked before anything starts: every problem of a NightlyConfig that would only
+show up minutes (or waves) later, found in a second and reported all at once.
+
+    from ratchet.preflight import check, require
+    problems = check(cfg)          # one human message per problem; [] = fine
+    require(cfg)                   # raises SettingsError listing them all
+
+`ratchet run` calls `require` before importing Prefect. What is checked:
+- store.uri: a path, file:///path or s3://bucket/prefix (and a valid S3 bucket name);
+- a local store: the directory exists and is writable, or the nearest existing parent is
+  a writable directory (nothing is created here);
+- an S3 store: RATCHET_S3_ENDPOINT and AWS credentials are set, the endpoint answers within
+  a few seconds (no retries), the bucket exists or can be created (a missing bucket is
+  created here: open_store would do it a moment later, and trying is the only way to know);
+- run_id: letters, digits, '._-', no '..', at most 128 characters;
+- model.path: a Hugging Face model directory (config.json inside);
+- envs: every family is registered; version is one store key component;
+- the embedded model: hidden_size splits into num_heads heads of even size (rotary);
+  rollout.max_new_tokens leaves room for a prompt in model.max_seq_len;
+- train.backend deepspeed: deepspeed is installed.
+No Prefect is imported here, and nothing but a missing S3 bucket is ever created.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+from ratchet.config import RUN_ID_PATTERN, NightlyConfig
+
+S3_TIMEOUT_S = 3.0
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class SettingsError(ValueError):
+    """One or more settings that cannot work; `problems` holds one message each."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
+
+
+def require(cfg: NightlyConfig) -> None:
+    """Raise SettingsError listing every problem `check` finds."""
+    problems = check(cfg)
+    if problems:
+        raise SettingsError(problems)
+
+
+def check(cfg: NightlyConfig) -> list[str]:
+    """Every problem of `cfg` that would otherwise fail later; [] when it can run."""
+    problems = []
+    if cfg.run_id is not None:
+        problems += check_run_id(cfg.run_id)
+    problems += check_store(cfg.store.uri)
+    problems += _model(cfg)
+    problems += _envs(cfg)
+    if cfg.train.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append("train.backend: 'deepspeed' is not installed in this environment (pip install deepspeed)")
+    return problems
+
+
+def check_run_id(run_id: str) -> list[str]:
+    """The run id becomes a store key component: runs/<run_id>/..."""
+    if not re.fullmatch(RUN_ID_PATTERN, run_id) or ".." in run_id or len(run_id) > 128:
+        return [f"run_id {run_id!r}: use letters, digits and '._-' (starting with a letter or digit, "
+                "no '..', at most 128 characters)"]
+    return []
+
+
+def check_store(uri: str) -> list[str]:
+    """Problems of the store at `uri`: its scheme, then whether it can be reached and written."""
+    if uri.startswith("s3://"):
+        return _s3(uri)
+    if "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        return [f"store.uri {uri!r}: unsupported scheme {scheme!r}; use a path, file:///path or s3://bucket/prefix"]
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    if not path:
+        return [f"store.uri {uri!r}: names no directory"]
+    return _local(Path(path).expanduser(), uri)
+
+
+def _local(path: Path, uri: str) -> list[str]:
+    path = path.absolute()
+    if path.exists():
+        if not path.is_dir():
+            return [f"store.uri {uri!r}: {path} exists and is not a directory"]
+        if not os.access(path, os.W_OK | os.X_OK):
+            return [f"store.uri {uri!r}: directory {path} is not writable"]
+        return []
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return [f"store.uri {uri!r}: cannot create {path}: {parent} is not a directory"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"store.uri {uri!r}: cannot create {path}: {parent} is not writable"]
+    return []
+
+
+def _s3(uri: str) -> list[str]:
+    bucket = uri[len("s3://"):].partition("/")[0]
+    if not bucket:
+        return [f"store.uri {uri!r}: names no bucket; use s3://bucket/prefix"]
+    if not S3_BUCKET.match(bucket) or ".." in bucket:
+        return [f"store.uri {uri!r}: {bucket!r} is not a valid S3 bucket name "
+                "(3-63 characters: lowercase letters, digits, '.' and '-')"]
+    problems = []
+    if not os.environ.get("RATCHET_S3_ENDPOINT"):
+        problems.append(f"store.uri {uri!r}: set RATCHET_S3_ENDPOINT=host:port (RATCHET_S3_SECURE=0 for plain http)")
+    missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
+    if missing:
+        problems.append(f"store.uri {uri!r}: credentials unset: {' and '.join(missing)}")
+    return problems or _s3_reach(uri, bucket)
+
+
+def _s3_reach(uri: str, bucket: str) -> list[str]:
+    """One request with a short timeout and no retries: does the endpoint answer, does the
+    bucket exist (else: can it be created)?"""
+    import urllib3
+    from minio import Minio
+    from minio.error import S3Error
+
+    endpoint = os.environ["RATCHET_S3_ENDPOINT"]
+    host, secure = endpoint, os.environ.get("RATCHET_S3_SECURE", "1").strip().lower() not in ("0", "false", "no")
+    for scheme, is_secure in (("https://", True), ("http://", False)):   # as ratchet.store.s3.client_from_env
+        if host.startswith(scheme):
+            host, secure = host[len(scheme):], is_secure
+    http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=S3_TIMEOUT_S, read=S3_TIMEOUT_S),
+                               retries=urllib3.Retry(total=0, redirect=0))
+    try:
+        client = Minio(host.rstrip("/"), access_key=os.environ["AWS_ACCESS_KEY_ID"],
+                       secret_key=os.environ["AWS_SECRET_ACCESS_KEY"], session_token=os.environ.get("AWS_SESSION_TOKEN"),
+                       secure=secure, http_client=http,
+                       region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1")
+    except ValueError as e:
+        return [f"RATCHET_S3_ENDPOINT {endpoint!r}: {e}"]
+    try:
+        if not client.bucket_exists(bucket):
+            client.make_bucket(bucket)
+    except S3Error as e:
+        if e.code in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            return []
+        return [f"store.uri {uri!r}: bucket {bucket!r} at {endpoint} is not usable: {e.code}: {e.message}"]
+    except (urllib3.exceptions.HTTPError, OSError, ValueError) as e:
+        why = str(getattr(e, "reason", None) or e).splitlines()[0][:200]
+        return [f"store.uri {uri!r}: S3 endpoint {endpoint} does not answer ({type(e).__name__}: {why})"]
+    finally:
+        http.clear()
+    return []
+
+
+def _model(cfg: NightlyConfig) -> list[str]:
+    m, problems = cfg.model, []
+    if m.path:
+        p = Path(m.path).expanduser()
+        if not p.exists():
+            problems.append(f"model.path {m.path!r}: no such directory")
+        elif not p.is_dir():
+            problems.append(f"model.path {m.path!r}: not a directory (a Hugging Face model directory is expected)")
+        elif not (p / "config.json").is_file():
+            problems.append(f"model.path {m.path!r}: no config.json, so not a Hugging Face model directory")
+    elif m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2:
+        problems.append(f"model.hidden_size {m.hidden_size} must split into model.num_heads {m.num_heads} heads "
+                        "of an even size (rotary embeddings)")
+    if cfg.rollout.max_new_tokens >= m.max_seq_len:
+        problems.append(f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
+                        f"model.max_seq_len {m.max_seq_len}")
+    return problems
+
+
+def _envs(cfg: NightlyConfig) -> list[str]:
+    from envs.registry import get_family
+    from ratchet.store import validate_key
+
+    problems = []
+    for fam in cfg.envs.families:
+        try:
+            get_family(fam)
+        except KeyError as e:
+            problems.append(f"envs.families: {str(e).strip(chr(34) + chr(39))}")
+    if "/" in cfg.envs.version:
+        problems.append(f"envs.version {cfg.envs.version!r}: one path component, no '/'")
+    else:
+        try:
+            validate_key(f"envs/family/{cfg.envs.version}/tasks.parquet")
+        except ValueError:
+            problems.append(f"envs.version {cfg.envs.version!r}: not usable in a store key (no '.', '..' or NUL)")
+    return problems

@@ -1,0 +1,94 @@
+"""ratchet.preflight: every setting that would fail later, found before anything starts.
+
+    /work/main/.venv/bin/python -m pytest tests/test_preflight.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from ratchet.config import ModelConfig, NightlyConfig, StoreConfig
+from ratchet.preflight import SettingsError, check, check_run_id, check_store, require
+
+
+def test_defaults_pass(tmp_path):
+    assert check(NightlyConfig(store=StoreConfig(uri=str(tmp_path / "new" / "store")))) == []
+    assert not (tmp_path / "new").exists()          # checked, not created
+
+
+@pytest.mark.parametrize("run_id", ["../evil", "a/b", "a..b", "..", ".", "-rf", "é", "a b", "x" * 129, ""])
+def test_hostile_run_ids_are_refused_by_the_config_itself(run_id):
+    with pytest.raises(ValidationError, match="run_id"):
+        NightlyConfig(run_id=run_id)
+    assert check_run_id(run_id)
+
+
+@pytest.mark.parametrize("run_id", ["r1", "nightly-20250101-020000", "A.b_c-9", "x" * 128])
+def test_good_run_ids(run_id):
+    assert NightlyConfig(run_id=run_id).run_id == run_id and check_run_id(run_id) == []
+
+
+def test_run_id_pattern_is_in_the_form_schema():
+    schema = NightlyConfig.model_json_schema()["properties"]["run_id"]
+    assert any("pattern" in s for s in schema.get("anyOf", [schema]))
+
+
+@pytest.mark.parametrize("uri, needle", [
+    ("ftp://x/y", "unsupported scheme 'ftp'"),
+    ("s3://", "names no bucket"),
+    ("s3:///prefix", "names no bucket"),
+    ("s3://UPPER/x", "not a valid S3 bucket name"),
+    ("file://", "names no directory"),
+])
+def test_store_uri_schemes(uri, needle):
+    (problem,) = check_store(uri)
+    assert needle in problem and repr(uri) in problem
+
+
+def test_local_store_that_is_a_file_or_under_one(tmp_path):
+    f = tmp_path / "f"
+    f.write_text("x")
+    assert "is not a directory" in check_store(str(f))[0]
+    assert "is not a directory" in check_store(f"file://{f}/deeper/store")[0]
+    assert check_store(f"file://{tmp_path}/ok") == []
+
+
+def test_model_path(tmp_path):
+    assert "no such directory" in check(NightlyConfig(model=ModelConfig(path=str(tmp_path / "nope"))))[0]
+    assert "no config.json" in check(NightlyConfig(model=ModelConfig(path=str(tmp_path))))[0]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    cfg = NightlyConfig(model=ModelConfig(path=str(tmp_path)), store=StoreConfig(uri=str(tmp_path / "s")))
+    assert check(cfg) == []
+
+
+def test_require_lists_every_problem(tmp_path):
+    cfg = NightlyConfig.model_validate({
+        "store": {"uri": "ftp://x/y"}, "envs": {"families": ["nope"], "version": "a/b"},
+        "model": {"hidden_size": 100, "num_heads": 3, "max_seq_len": 32}, "rollout": {"max_new_tokens": 48}})
+    with pytest.raises(SettingsError) as e:
+        require(cfg)
+    text = "\n".join(e.value.problems)
+    assert len(e.value.problems) == 5, text
+    for needle in ("store.uri", "unknown environment family 'nope'", "envs.version", "model.num_heads",
+                   "rollout.max_new_tokens"):
+        assert needle in text
+
+
+def test_s3_missing_bucket_is_created_and_nothing_else_written(s3_env):
+    from minio import Minio
+
+    client = Minio(s3_env["RATCHET_S3_ENDPOINT"], access_key="testing", secret_key="testing", secure=False)
+    assert not client.bucket_exists("preflight-new")
+    assert check_store("s3://preflight-new/runs") == []
+    assert client.bucket_exists("preflight-new") and list(client.list_objects("preflight-new", recursive=True)) == []
+    assert check_store("s3://preflight-new/runs") == []     # and again, now that it exists
+
+
+def test_s3_without_endpoint_or_credentials(monkeypatch):
+    for name in ("RATCHET_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    problems = check_store("s3://bucket/prefix")
+    assert len(problems) == 2 and "RATCHET_S3_ENDPOINT" in problems[0] and "AWS_ACCESS_KEY_ID" in problems[1]
