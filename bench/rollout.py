@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import random
 import statistics
 import sys
 import time
 import types
-import warnings
 
 import torch
 
@@ -82,12 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="torch intra-op threads (1: robust on a shared 2-core machine)")
     args = p.parse_args(argv)
 
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    from bench.train_step import build_policy
+    from bench.train_step import build_policy, quiet_and_pinned
+
+    quiet_and_pinned(args.threads)
     from ratchet.rollout.torch_engine import TorchEngine
 
     t_start = time.perf_counter()

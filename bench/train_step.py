@@ -78,6 +78,15 @@ def make_reward(tasks, kind: str):
     return tests
 
 
+def quiet_and_pinned(threads: int) -> None:
+    """What every benchmark does first: no warnings or log noise, fixed threads and seed."""
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
 def build_policy(args):
     from envs.registry import get_family
     from ratchet.config import ModelConfig
@@ -225,11 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         sys.exit("bench.train_step needs TRL, the peer it compares against: pip install -e '.[bench]'")
 
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    quiet_and_pinned(args.threads)
     t_start = time.perf_counter()
     model, tokenizer, tasks = build_policy(args)
     reward = make_reward(tasks, args.reward)
