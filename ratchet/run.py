@@ -14,6 +14,7 @@ import signal
 from contextlib import contextmanager
 from typing import Iterator
 
+from ratchet.scratch import remove_stale_scratch
 from ratchet.store import ArtifactStore, RunLease
 from ratchet.summary import begin_attempt, end_attempt
 from ratchet.train.checkpoint import clean_partial
@@ -49,6 +50,8 @@ def run_attempt(store: ArtifactStore, run_id: str, owner: str | None = None, ttl
         removed = clean_partial(store, run_id)
         if removed:
             log.warning("run %s: removed %d file(s) of interrupted checkpoint writes", run_id, len(removed))
+        for path in remove_stale_scratch():
+            log.warning("removed %s, left by a process that is gone", path)
         attempt = begin_attempt(store, run_id)
         try:
             yield lease

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -16,6 +15,7 @@ from ratchet.model import load_policy
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
+from ratchet.scratch import scratch_dir
 from tasks.retry import transient_only
 
 INCUMBENT = "models/promoted/INCUMBENT"
@@ -52,7 +52,7 @@ def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
     pointer = store.get_pointer(INCUMBENT)
     if pointer is None:
         return None
-    with tempfile.TemporaryDirectory(prefix="ratchet-incumbent-") as tmp:
+    with scratch_dir("incumbent") as tmp:
         model, tokenizer = load_policy(store.get_dir(pointer, Path(tmp)))
         result = _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg)
     return {"pass_rate": result.pass_rate, "results": result.results, "checkpoint": pointer.uri}

@@ -3,7 +3,6 @@ Thin: load refs, call `ratchet.stages` / `ratchet.train`, save, return refs."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -15,6 +14,7 @@ from ratchet.config import NightlyConfig
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
 from ratchet.train.checkpoint import load_latest, save_checkpoint
+from ratchet.scratch import scratch_dir
 from tasks.retry import transient_only
 
 
@@ -24,7 +24,7 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
     directory, or the embedded tiny model built and warm-started here. Saved as version 0."""
     logger = get_run_logger()
     store = open_store(cfg.store)
-    with tempfile.TemporaryDirectory(prefix="ratchet-boot-") as tmp:
+    with scratch_dir("boot") as tmp:
         found = load_latest(store, run_id, Path(tmp))
         if found is not None:
             ref, _ = found

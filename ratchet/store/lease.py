@@ -52,6 +52,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from ratchet.scratch import alive
 from ratchet.store.base import ArtifactStore, IntegrityError
 
 log = logging.getLogger(__name__)
@@ -74,16 +75,6 @@ def _proc_ns() -> str | None:
         return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
     except OSError:
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # exists, another user's
-        return True
-    return True
 
 
 def _who(rec: dict[str, Any]) -> str:
@@ -158,7 +149,7 @@ class RunLease:
             return True
         # a holder in this very process namespace (same kernel boot, same pid namespace) whose
         # process is gone was killed: no need to wait out its ttl (a restarted run resumes at once)
-        return rec.get("proc_ns") is not None and rec.get("proc_ns") == _proc_ns() and not _alive(int(rec["pid"]))
+        return rec.get("proc_ns") is not None and rec.get("proc_ns") == _proc_ns() and not alive(int(rec["pid"]))
 
     # --- the protocol -----------------------------------------------------------------------
     def acquire(self) -> RunLease:

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 
 from ratchet.store import MANIFEST, ArtifactStore, IntegrityError, Ref
+from ratchet.scratch import scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def save_checkpoint(store: ArtifactStore, run_id: str, version: int, write_files
     _refuse_if_behind(store, run_id, version)
     if lease is not None:
         lease.heartbeat()
-    with tempfile.TemporaryDirectory(prefix="ratchet-ckpt-") as tmp:  # removed on any exception too
+    with scratch_dir("ckpt") as tmp:  # removed on any exception too
         write_files(Path(tmp))
         ref = store.put_dir(checkpoint_prefix(run_id, version), tmp)
     _refuse_if_behind(store, run_id, version)  # LATEST may have moved during a long upload

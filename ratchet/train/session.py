@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import ArtifactStore, Ref, store_for
 from ratchet.train.checkpoint import load_checkpoint, save_checkpoint
 from ratchet.train.torch_trainer import TorchTrainer
+from ratchet.scratch import scratch_dir
 
 
 class PolicyRef(BaseModel):
@@ -83,7 +83,7 @@ def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     if policy.checkpoint is None:
         raise StaleSession(f"run {policy.run_id}: no session in this process and no checkpoint to restore from")
     store = store_for(policy.checkpoint)
-    with tempfile.TemporaryDirectory(prefix="ratchet-restore-") as tmp:
+    with scratch_dir("restore") as tmp:
         path = load_checkpoint(store, policy.checkpoint, Path(tmp))
         state = torch.load(path / "trainer.pt", weights_only=False) if (path / "trainer.pt").exists() else None
         ledger = json.loads((path / "ledger.json").read_text()) if (path / "ledger.json").exists() else None

@@ -1,0 +1,41 @@
+"""Scratch directories named for the process that made them, so a killed process's are found.
+
+    with scratch_dir("ckpt") as tmp: ...        # $TMPDIR/ratchet-ckpt-<pid>-xxxx, removed on exit
+    remove_stale_scratch()                      # at a run's start: those of processes that are gone
+
+A SIGKILLed process cannot remove its temporary directories (a checkpoint being written can
+hold a model's weights); the next run's start does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists here (of any user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def scratch_dir(kind: str) -> tempfile.TemporaryDirectory:
+    return tempfile.TemporaryDirectory(prefix=f"ratchet-{kind}-{os.getpid()}-")
+
+
+def remove_stale_scratch(root: str | Path | None = None) -> list[str]:
+    """Remove the scratch directories whose process is gone; returns their paths."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob("ratchet-*-*-*"):
+        parts = path.name.split("-", 3)
+        if path.is_dir() and parts[2].isdigit() and not alive(int(parts[2])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
