@@ -119,8 +119,10 @@ def create_app(model: str, name: str | None = None, batch_size: int = 128) -> Fa
     @app.exception_handler(RequestValidationError)
     def invalid(_req: Request, e: RequestValidationError):
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid')}", where or None)
+        fields = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid" or not fields:
+            return _error(400, f"body: {first.get('msg', 'invalid')}", None)
+        return _error(400, f"{fields[0]}: {first.get('msg', 'invalid')}", fields[0])
 
     @app.get("/health")
     def health() -> dict:
@@ -162,8 +164,8 @@ def _complete(served: Served, req: CompletionRequest) -> dict:
         if not ids:
             raise BadRequest(f"prompt: prompt {i} is empty and the tokenizer has no BOS token", "prompt")
         if context and len(ids) + req.max_tokens > context:
-            raise BadRequest(f"prompt: prompt {i} has {len(ids)} tokens; with max_tokens {req.max_tokens} that "
-                             f"exceeds the model's context of {context}", "max_tokens")
+            raise BadRequest(f"max_tokens: {req.max_tokens} after prompt {i}'s {len(ids)} tokens exceeds the "
+                             f"model's context of {context}", "max_tokens")
     greedy = req.temperature == 0
     rollouts = engine.generate(prompts, n=req.n, max_new_tokens=req.max_tokens,
                                temperature=1.0 if greedy else req.temperature, greedy=greedy,
