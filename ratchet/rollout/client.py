@@ -14,7 +14,11 @@ Against vLLM (not run here: no GPU): start it with `--logprobs-mode processed_lo
 log-probs are the raw logits' and not the behaviour policy's at temperature != 1. vLLM keeps
 the tokens after a stop string's end inside the last token out of `text`, while ratchet keeps
 them (its text is decode(ids)). vLLM has no /v1/load: its weight sync is the dev-mode
-weight-transfer API (NCCL/IPC), which set_policy_version does not speak yet.
+weight-transfer API (NCCL/IPC), which set_policy_version does not speak yet. Prompts: ratchet
+prepends BOS itself (TorchEngine.encode_prompts); vLLM tokenises with the tokenizer's own
+special-token template, which for ratchet's embedded tokenizer adds no BOS, so the same text
+prompt is not the same ids there (send token-id prompts, or save the tokenizer with a BOS
+template, before comparing the two).
 
 Errors: a 4xx answer raises `EngineRequestError` (the request is wrong: not retried); a 5xx,
 a refused or dropped connection or a timeout raise `TransientError`/`OSError`

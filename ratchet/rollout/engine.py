@@ -47,7 +47,8 @@ class Rollout:
     @property
     def text_before_stop(self) -> str:
         """The text cut where the stop string starts (OpenAI's `text`); all of it without a stop."""
-        return self.text if self.stop is None else self.text[:self.text.index(self.stop)]
+        cut = -1 if self.stop is None else self.text.find(self.stop)
+        return self.text if cut < 0 else self.text[:cut]
 
 
 def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
