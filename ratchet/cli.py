@@ -5,6 +5,7 @@
     ratchet envs import FILE --format taskspec|humaneval                         user task specs
     ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
     ratchet gate check FILE.parquet                                               the wave gate
+    ratchet serve --model DIR [--port N] [--host H]                               OpenAI-compatible rollout server
 
 Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
 `run` checks its settings first (`ratchet.preflight`) and exits 2, one line per problem,
@@ -39,6 +40,26 @@ app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspec
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
 app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
 app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(..., exists=True, file_okay=False, help="Checkpoint directory (Hugging Face layout)."),
+    port: int = typer.Option(8000, min=1, max=65535, help="TCP port."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    name: Optional[str] = typer.Option(None, help="Model id in the API [default: the directory's name]."),
+    batch_size: int = typer.Option(128, min=1, help="Sequences decoded together."),
+) -> None:
+    """Serve a checkpoint with the torch engine behind an OpenAI-compatible API (/v1/completions,
+    /v1/models; /v1/load swaps in another checkpoint). See ratchet/rollout/server.py."""
+    from ratchet.rollout.server import BadRequest, serve as serve_model
+
+    try:
+        serve_model(str(model), host=host, port=port, name=name, batch_size=batch_size)
+    except BadRequest as e:
+        typer.echo(f"error: ratchet serve: {e.message}", err=True)
+        raise typer.Exit(2)
+
 
 SUMMARY_KEYS = ("run_id", "summary", "base_pass_rate", "final_pass_rate", "promoted", "steps", "wall_s")
 

@@ -8,27 +8,21 @@ distribution (logits / temperature): the behaviour log-probs the trainer's impor
 ratios are taken against. A batch holds up to `batch_size` sequences; the distinct prompts
 in it are left-padded and prefilled ONCE, and their KV cache serves the n samples of each
 (ratchet/rollout/decoders.py: a hand-written Llama decode that never copies the prompt's cache,
-or the model's own forward for other architectures). A sequence that emits EOS leaves the batch.
+or the model's own forward for other architectures). A sequence that emits EOS, or completes a stop string, leaves the batch.
+The interface it implements (greedy and stop semantics): ratchet/rollout/engine.py.
 Speed against `model.generate`: python -m bench.rollout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from ratchet.rollout.decoders import decoder_for
+from ratchet.rollout.engine import Rollout, first_stop
 
-
-@dataclass
-class Rollout:
-    prompt_index: int
-    prompt_ids: list[int]
-    completion_ids: list[int]   # includes the EOS token when finished
-    logprobs: list[float]       # one per completion token
-    text: str                   # completion decoded, without EOS
-    finished: bool
+__all__ = ["Rollout", "TorchEngine", "sample"]
 
 
 def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
@@ -39,13 +33,46 @@ def sample(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[1] - 1).squeeze(1)  # [b]
 
 
+class _StopScanner:
+    """Finds, step by step, the token that completes the first stop string of each row.
+
+    Each step decodes only a window of each live row's newest tokens, long enough to hold any stop
+    string (a token decodes to >= 1 byte, a character takes <= 4): a stop string first seen in a
+    window was completed by its newest token, since the older ones were all in the previous window.
+    """
+
+    def __init__(self, tokenizer, stops: Sequence[str], rows: int):
+        self.tokenizer, self.stops = tokenizer, list(stops)
+        self.window = 4 * max(len(s) for s in self.stops) + 2
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.hit: dict[int, str] = {}                                             # batch row -> stop string seen
+
+    def step(self, rows: list[int], toks: list[int], eos: int | None) -> list[bool]:
+        """Append each row's new token; True where it completed a stop string."""
+        for b, t in zip(rows, toks):
+            self.ids[b].append(t)
+        texts = self.tokenizer.batch_decode([self.ids[b][-self.window:] for b in rows], skip_special_tokens=False)
+        done = []
+        for b, t, text in zip(rows, toks, texts):
+            hit = first_stop(text, self.stops) if t != eos else None
+            if hit:
+                self.hit[b] = hit[1]
+            done.append(hit is not None)
+        return done
+
+
 class TorchEngine:
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu"):
+    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", policy_version: int = 0):
         self.model = model
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id
+        self.policy_version = policy_version
+
+    def set_policy_version(self, version: int, path: str | None = None) -> None:
+        """The weights are the trainer's own, shared in memory: moving to `version` only records it."""
+        self.policy_version = version
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
@@ -53,7 +80,11 @@ class TorchEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, max_new_tokens: int = 48, temperature: float = 1.0,
-                 greedy: bool = False, batch_size: int = 128, seed: int | None = None) -> list[Rollout]:
+                 greedy: bool = False, batch_size: int = 128, seed: int | None = None,
+                 stop: Sequence[str] | None = None) -> list[Rollout]:
+        """len(prompts) * n rollouts grouped by prompt; greedy and stop as in ratchet/rollout/engine.py."""
+        if stop is not None and any(not s for s in stop):
+            raise ValueError("stop: every stop string must be non-empty")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         encoded = self.encode_prompts(prompts)
         jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
@@ -64,12 +95,12 @@ class TorchEngine:
             new_decoder = decoder_for(self.model)
             for start in range(0, len(jobs), batch_size):
                 out += self._generate_batch(jobs[start:start + batch_size], new_decoder, max_new_tokens, temperature,
-                                            greedy, gen)
+                                            greedy, gen, list(stop or []))
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_batch(self, jobs, new_decoder, max_new_tokens, temperature, greedy, gen) -> list[Rollout]:
+    def _generate_batch(self, jobs, new_decoder, max_new_tokens, temperature, greedy, gen, stop) -> list[Rollout]:
         # Jobs come grouped by prompt: prefill each distinct prompt once; its samples share its cache.
         owner = torch.tensor([i for i, _ in jobs])
         owner = torch.unique_consecutive(owner, return_inverse=True)[1].to(self.device)  # [B] row -> distinct prompt
@@ -90,14 +121,18 @@ class TorchEngine:
         next_pos = pos[:, -1] + 1                                                 # [b]
         rows = torch.arange(B, device=self.device)                                # [b] batch row of each live row
         steps = []                                                                # (rows, tokens, logprobs) per step
+        scanner = _StopScanner(self.tokenizer, stop, B) if stop else None
         for t in range(max_new_tokens):
-            logprobs = torch.log_softmax(logits / temperature, dim=-1)             # [b, V]
+            logprobs = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)  # [b, V]
             if greedy:
                 tok = logprobs.argmax(-1)                                         # [b]
             else:
                 tok = sample(logprobs.exp().cpu(), gen).to(self.device)                 # [b]
             steps.append((rows, tok, logprobs.gather(1, tok[:, None]).squeeze(1)))
             live = tok != self.eos                                                # [b]
+            if scanner is not None:
+                stopped = scanner.step(rows.tolist(), tok.tolist(), self.eos)
+                live &= ~torch.tensor(stopped, dtype=torch.bool, device=self.device)
             if t == max_new_tokens - 1 or not bool(live.any()):
                 break
             if not bool(live.all()):  # drop finished rows from the batch and the KV cache
@@ -115,7 +150,10 @@ class TorchEngine:
         results = []
         for b, (i, ids) in enumerate(jobs):
             comp = tokens[b]
-            finished = bool(comp) and comp[-1] == self.eos
-            text = self.tokenizer.decode(comp[:-1] if finished else comp, skip_special_tokens=False)
-            results.append(Rollout(i, ids, comp, logps[b], text, finished))
+            eos = bool(comp) and comp[-1] == self.eos
+            text = self.tokenizer.decode(comp[:-1] if eos else comp, skip_special_tokens=False)
+            hit = scanner.hit.get(b) if scanner is not None else None
+            if hit is not None:   # the full text's earliest stop (the window's, should decoding differ)
+                hit = (first_stop(text, stop) or (0, hit))[1]
+            results.append(Rollout(i, ids, comp, logps[b], text, eos or hit is not None, hit))
         return results
