@@ -52,6 +52,8 @@ def serve(
 ) -> None:
     """Serve a checkpoint with the torch engine behind an OpenAI-compatible API (/v1/completions,
     /v1/models; /v1/load swaps in another checkpoint). See ratchet/rollout/server.py."""
+    if not (model / "config.json").is_file():
+        fail("not a Hugging Face model directory (no config.json)", model)
     from ratchet.rollout.server import BadRequest, serve as serve_model
 
     try:

@@ -199,6 +199,11 @@ CASES = [
     ("doctor-extra-arg", "sandbox doctor extra", 2, "unexpected extra argument"),
     ("doctor-bad-option", "sandbox doctor --bogus", 2, "No such option: --bogus"),
     ("unknown-command", "nope", 2, "No such command"),
+    # ratchet serve: what it is asked to serve
+    ("serve-model-missing", "serve --model {missing}", 2, "does not exist"),
+    ("serve-model-not-hf", "serve --model {dir}", 2, "no config.json"),
+    ("serve-model-a-file", "serve --model {tasks}", 2, "is a file"),
+    ("serve-bad-port", "serve --model {dir} --port 70000", 2, "'--port'"),
 ]
 
 
