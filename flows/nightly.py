@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from ratchet.config import NightlyConfig
+from ratchet.eval.report import vertical_table
 from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
@@ -84,6 +85,8 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         "checkpoint": policy.checkpoint.uri if policy.checkpoint else None,
         "base": base,
         "final": final,
+        "incumbent": incumbent,
+        "eval_table": vertical_table({"base": base, "candidate": final, "incumbent": incumbent}, cfg.eval.confidence),
         "audits": [a.counts for a in audits],
         "config": cfg.model_dump(mode="json"),
     }, cfg)

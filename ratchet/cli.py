@@ -116,6 +116,8 @@ def run(
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     _quiet_prefect_exit()
+    if summary.get("eval_table"):
+        print(f"\n{summary['eval_table']}\n\n{summary['promotion']}\n", flush=True)
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
 
 

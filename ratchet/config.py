@@ -199,7 +199,12 @@ class GateConfig(Frozen):
 
 
 class EvalConfig(Frozen):
-    n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated (pass@1, greedy).")
+    n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated.")
+    samples: int = Field(
+        1, ge=1, le=256, description="Samples per held-out task: 1 = one greedy completion (pass@1); k > 1 = k completions "
+        "at `temperature`, scored as unbiased pass@1 and pass@k, the same seed for candidate and incumbent."
+    )
+    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature of evaluation when samples > 1.")
     min_gain: float = Field(
         0.0, ge=0, le=1, description="A checkpoint is promoted only if the lower bound of the confidence interval of its "
         "held-out pass-rate gain over the incumbent (same tasks, paired) is above this (a fraction: 0.02 = 2 points)."

@@ -13,9 +13,9 @@ from ratchet.eval import evaluate as evaluate_policy
 from ratchet.eval import should_promote
 from ratchet.model import load_policy
 from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.scratch import scratch_dir
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
-from ratchet.scratch import scratch_dir
 from tasks.retry import transient_only
 
 INCUMBENT = "models/promoted/INCUMBENT"
@@ -23,13 +23,15 @@ INCUMBENT = "models/promoted/INCUMBENT"
 
 def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
     specs = [s for r in heldout for s in load_specs(r)][: cfg.eval.n_tasks]
-    return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size)
+    return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size,
+                           samples=cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.train.seed)
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig) -> dict:
-    """Held-out pass@1 (greedy) of the policy; per-task results to runs/<id>/eval/<version>.parquet.
-    The result is kept per policy version, so a retry or a resumed run does not evaluate twice."""
+    """Held-out pass@1 (and pass@k) of the policy with its CI, per family / difficulty / source;
+    per-sample results to runs/<id>/eval/<version>.parquet. Kept per policy version, so a retry or
+    a resumed run does not evaluate twice."""
     store = open_store(cfg.store)
     key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
     if store.exists(f"{key}.json"):
@@ -37,17 +39,17 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     session = sessions.open_session(policy, cfg)
     result = _eval(session.engine, heldout, cfg)
     ref = store.write_table(f"{key}.parquet", result.rows)
-    get_run_logger().info("policy v%d held-out pass@1 %.3f %s", policy.version, result.pass_rate, result.by_difficulty)
-    out = {"version": policy.version, "pass_rate": result.pass_rate, "by_difficulty": result.by_difficulty,
-           "n_tasks": result.n_tasks, "env_errors": result.env_errors, "eval": ref.uri, "results": result.results}
+    out = {"version": policy.version, "eval": ref.uri, **result.summary(cfg.eval.confidence)}
+    get_run_logger().info("policy v%d held-out pass@1 %.3f (CI %s) pass@k %s", policy.version, out["pass_rate"],
+                          out["ci"], out["pass_at"])
     store.put_json(f"{key}.json", out)
     return out
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
-    """The promoted model on this run's held-out tasks: pass_rate and per-task results (None
-    when nothing is promoted yet)."""
+    """The promoted model on this run's held-out tasks, under the same protocol as `evaluate`
+    (None when nothing is promoted yet)."""
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     if pointer is None:
@@ -55,7 +57,7 @@ def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
     with scratch_dir("incumbent") as tmp:
         model, tokenizer = load_policy(store.get_dir(pointer, Path(tmp)))
         result = _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg)
-    return {"pass_rate": result.pass_rate, "results": result.results, "checkpoint": pointer.uri}
+    return {"checkpoint": pointer.uri, **result.summary(cfg.eval.confidence)}
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)

@@ -29,6 +29,7 @@ def write_summary(run_id: str, fields: dict, cfg: NightlyConfig) -> dict:
         f"# Run {run_id}", "",
         f"held-out pass@1 {fields['base_pass_rate']:.3f} -> {fields['final_pass_rate']:.3f}; "
         f"promoted: {fields['promoted']} ({fields['promotion']})", "",
+        *([fields["eval_table"], ""] if fields.get("eval_table") else []),
         "| attempt | started | wall s | outcome |", "|---|---|---|---|", *rows]),
         key=re.sub(r"[^a-z0-9-]+", "-", f"summary-{run_id.lower()}")[:100],
         description=f"Summary of run {run_id}")

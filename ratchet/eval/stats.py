@@ -11,6 +11,7 @@ decision with its uncertainty attached, instead of comparing two point estimates
 What it computes:
 - `pass_at_k`: the unbiased pass@k estimator of Chen et al. 2021, "Evaluating Large Language
   Models Trained on Code" (arXiv:2107.03374), in their numerically stable product form.
+- `bootstrap_mean`: the percentile CI of one model's mean pass rate over tasks (per-family tables).
 - `paired_bootstrap`: percentile bootstrap (Efron & Tibshirani 1993, "An Introduction to the
   Bootstrap", ch. 13) over tasks of the per-task difference, i.e. paired bootstrap resampling as
   in Koehn 2004, "Statistical Significance Tests for Machine Translation Evaluation" (EMNLP).
@@ -56,6 +57,22 @@ class Bootstrap(NamedTuple):
     ci_high: float  # upper percentile bound of the mean difference
 
 
+def bootstrap_mean(values: Sequence[float], iters: int = 2000, seed: int = 0,
+                   confidence: float = 0.95) -> Bootstrap:
+    """Percentile CI of mean(values), resampling the values (tasks) with replacement.
+    Deterministic for a given seed."""
+    if not values:
+        raise ValueError("bootstrap: no tasks")
+    if iters < 1 or not 0.0 < confidence < 1.0:
+        raise ValueError(f"bootstrap: need iters >= 1 and 0 < confidence < 1, "
+                         f"got iters={iters}, confidence={confidence}")
+    values = [float(v) for v in values]
+    n, rng = len(values), random.Random(seed)
+    means = sorted(math.fsum(rng.choices(values, k=n)) / n for _ in range(iters))  # [iters]
+    alpha = 1.0 - confidence
+    return Bootstrap(math.fsum(values) / n, _percentile(means, alpha / 2), _percentile(means, 1 - alpha / 2))
+
+
 def paired_bootstrap(candidate: Sequence[float], incumbent: Sequence[float], iters: int = 2000,
                      seed: int = 0, confidence: float = 0.95) -> Bootstrap:
     """Percentile CI of mean(candidate - incumbent), resampling tasks with replacement.
@@ -69,14 +86,7 @@ def paired_bootstrap(candidate: Sequence[float], incumbent: Sequence[float], ite
                          f"{len(incumbent)}; both must cover the same tasks in the same order")
     if not candidate:
         raise ValueError("paired_bootstrap: no tasks to compare")
-    if iters < 1 or not 0.0 < confidence < 1.0:
-        raise ValueError(f"paired_bootstrap: need iters >= 1 and 0 < confidence < 1, "
-                         f"got iters={iters}, confidence={confidence}")
-    diffs = [float(a) - float(b) for a, b in zip(candidate, incumbent)]  # [n_tasks]
-    n, rng = len(diffs), random.Random(seed)
-    means = sorted(math.fsum(rng.choices(diffs, k=n)) / n for _ in range(iters))  # [iters]
-    alpha = 1.0 - confidence
-    return Bootstrap(math.fsum(diffs) / n, _percentile(means, alpha / 2), _percentile(means, 1 - alpha / 2))
+    return bootstrap_mean([float(a) - float(b) for a, b in zip(candidate, incumbent)], iters, seed, confidence)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -136,7 +146,7 @@ def decide(candidate: Sequence[Sequence[bool]], incumbent: Sequence[Sequence[boo
     cand_rates = [sum(map(bool, row)) / k for row in candidate]  # [n_tasks]
     pct = f"{confidence:.0%}"
     if incumbent is None:
-        est, lo, hi = paired_bootstrap(cand_rates, [0.0] * len(cand_rates), seed=seed, confidence=confidence)
+        est, lo, hi = bootstrap_mean(cand_rates, seed=seed, confidence=confidence)
         return PromotionDecision(True, est, lo, hi, "no incumbent", None,
                                  f"Promote: there is no incumbent; candidate pass rate {_pts(est)}% "
                                  f"({pct} CI {_pts(lo)}% to {_pts(hi)}%, {len(cand_rates)} tasks).")

@@ -64,4 +64,5 @@ def test_evaluate_counts_a_task_solved_only_when_every_hidden_test_passes():
     result = evaluate(_Engine(answers), specs, VerifyConfig(timeout_s=1.0))
     assert result.rows["passed"].to_list() == [True, False, True, False]
     assert result.pass_rate == 0.5 and result.n_tasks == 4 and result.env_errors == 0
-    assert result.by_difficulty == {1: 0.5, 2: 0.5}
+    assert result.summary()["by_difficulty"] == {1: 0.5, 2: 0.5}
+    assert result.results == {"t1": [True], "t2": [False], "t3": [True], "t4": [False]}

@@ -38,6 +38,11 @@ def test_summary_and_store_layout(first_run):
     assert summary["steps"] == 3 and summary["policy_version"] == 3
     assert 0.0 <= summary["base_pass_rate"] <= 1.0 and 0.0 <= summary["final_pass_rate"] <= 1.0
     assert store.get_json("runs/r1/summary.json")["final_pass_rate"] == summary["final_pass_rate"]
+    lo, hi = summary["final"]["ci"]
+    assert lo <= summary["final_pass_rate"] <= hi and summary["final"]["pass_at"] == {"1": round(summary["final_pass_rate"], 4)}
+    table = summary["eval_table"].splitlines()
+    assert table[0].endswith("| base | candidate |") and table[3].startswith("| family python_functions | ")
+    assert summary["promotion"].startswith("Keep the incumbent")     # min_gain 1.0
     for step in range(3):
         assert store.exists(f"runs/r1/waves/{step:06d}/trajectories.parquet")
         scored = store.read_table(f"runs/r1/waves/{step:06d}/scored.parquet")
