@@ -8,7 +8,7 @@
 
 `EnvsConfig.sources` names the files (`ratchet run --tasks FILE.jsonl` adds one). A source is a
 task-spec JSONL (`.jsonl`, `.jsonl.gz`) or a Parquet table (`.parquet`: one task object per row,
-or ratchet's own task table with a `spec_json` column). Its name is `imported-<file stem>`
+or ratchet's own task table with a `spec_json` column; a bad row's "line" is its row number). Its name is `imported-<file stem>`
 (`source_name`): the folder of its snapshot, the family of its tasks that name none, the
 prefix of its task ids (`<name>/<task_id>`, so two sources cannot collide) and
 `metadata["source"]` of every task, which is what evaluation groups pass rates by.
@@ -50,6 +50,7 @@ from ratchet.config import EnvsConfig
 
 SUFFIXES = (".jsonl.gz", ".jsonl", ".parquet")
 PREFIX = "imported-"
+MAX_ID = next(m.max_length for m in TaskSpec.model_fields["task_id"].metadata if hasattr(m, "max_length"))
 
 
 class SourceError(ValueError):
@@ -161,9 +162,20 @@ def parse_source(source: str, data: bytes) -> tuple[ImportResult, int]:
     if not res.specs:
         first = res.bad[0].messages()[0] if res.bad else "the file has no task lines"
         raise SourceError(f"task source {source!r}: no good task line ({len(res.bad)} bad; first: {first})")
-    res.specs = [s.model_copy(update={
-        "task_id": s.task_id if s.task_id.startswith(f"{name}/") else f"{name}/{s.task_id}",
-        "metadata": {**s.metadata, "source": name}}) for s in res.specs]
+    specs, kept = [], []
+    for spec, n in zip(res.specs, res.lines):
+        task_id = spec.task_id if spec.task_id.startswith(f"{name}/") else f"{name}/{spec.task_id}"
+        if len(task_id) > MAX_ID:        # model_copy does not validate: the schema's bound, checked here
+            res.bad.append(BadLine(n, (("task_id", f"longer than {MAX_ID - len(name) - 1} characters, the most "
+                                        f"that fits after the source's name {name!r}/"),), lines[n - 1], source))
+            continue
+        specs.append(spec.model_copy(update={"task_id": task_id, "metadata": {**spec.metadata, "source": name}}))
+        kept.append(n)
+    if not specs:
+        raise SourceError(f"task source {source!r}: no good task line ({len(res.bad)} bad; first: "
+                          f"{res.bad[0].messages()[0]})")
+    res.bad.sort(key=lambda b: b.line)
+    res.specs, res.lines = specs, kept
     declared = sum(json.loads(lines[n - 1]).get("split") is not None for n in res.lines)
     return res, declared
 
@@ -193,7 +205,7 @@ def import_source(source: str, data: bytes, cfg: EnvsConfig) -> ImportedSource:
     train, train_counts = _clean(train_in, c, "train", ngrams(heldout, c.ngram))
     stamp = lambda specs: [s.model_copy(update={"version": version}) for s in specs]  # noqa: E731
     lineage = {
-        "family": name, "version": version, "source": source, "source_sha256": digest, "format": "taskspec",
+        "family": name, "version": version, "source": source, "source_sha256": digest, "format": source_suffix(source),
         "code_sha256": code, "clean_config": c.model_dump(mode="json"),
         "counts": {"lines_ok": len(res.specs), "lines_bad": len(res.bad), "split_declared": declared,
                    "train": train_counts, "heldout": held_counts},

@@ -119,6 +119,9 @@ def test_bad_lines_are_quarantined_beside_the_snapshot(tmp_path):
     assert rows[1]["message"].startswith(f"{src}:3: field 'difficulty'")
     assert imp.production.lineage["counts"]["lines_bad"] == 2 and imp.production.lineage["bad_lines"] == "bad_lines.jsonl"
     assert st.get_json(refs["lineage"])["source_sha256"] == imp.production.lineage["source_sha256"]
+    long_id = import_source("s.jsonl", jsonl(task("b" * 256, "x y z"), task("ok", "x y")), EnvsConfig())
+    (bad,) = long_id.bad                             # fits the schema, not once prefixed with "imported-s/"
+    assert bad.line == 1 and bad.field == "task_id" and "longer than 245 characters" in bad.error
     clean = import_source("c.jsonl", jsonl(task("a", "x y")), EnvsConfig())
     assert save_source(st, clean)["bad_lines"] is None
 
