@@ -1,6 +1,6 @@
 """The nightly training cycle, top to bottom.
 
-    produce_envs -> audit_envs -> bootstrap_policy -> evaluate (base)
+    produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
     -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave (-> checkpoint_policy, evaluate)] x steps
     -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from envs.sources import pass_rates_by_source
 from ratchet.config import NightlyConfig
 from ratchet.eval.report import vertical_table
 from ratchet.run import run_attempt
@@ -27,7 +28,7 @@ from ratchet.store import open_store
 from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, evaluate_incumbent, promote
 from tasks.gate import gate_wave
-from tasks.produce import produce_envs
+from tasks.produce import import_envs, produce_envs
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
 from tasks.summary import record_wave, write_summary
@@ -42,6 +43,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
 
     with run_attempt(open_store(cfg.store), run_id, owner=flow_run.id or run_id) as lease:
         snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
+        snapshots += [import_envs(source, cfg.envs, cfg.store) for source in cfg.envs.sources]   # users' task sets
         audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
         train = [a.passed for a in audits]
         heldout = [a.heldout_passed for a in audits]
@@ -88,5 +90,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         "incumbent": incumbent,
         "eval_table": vertical_table({"base": base, "candidate": final, "incumbent": incumbent}, cfg.eval.confidence),
         "audits": [a.counts for a in audits],
+        "sources": [s.imported for s in snapshots if s.imported],
+        "by_source": pass_rates_by_source({"base": base, "final": final, "incumbent": incumbent}),
         "config": cfg.model_dump(mode="json"),
     }, cfg)

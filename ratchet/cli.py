@@ -1,6 +1,7 @@
 """The `ratchet` command line.
 
     ratchet run [--steps N] [--run-id ID] [--store URI] [--config FILE.json]   the nightly cycle
+                [--tasks FILE.jsonl ...]                                          + your own task sets
     ratchet sandbox run FILE [--json] | ratchet sandbox doctor                  the sandbox
     ratchet envs import FILE --format taskspec|humaneval                         user task specs
     ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
@@ -72,9 +73,12 @@ def run(
     run_id: Optional[str] = typer.Option(None, help="Run id; an existing one is resumed from its LATEST checkpoint."),
     store: Optional[str] = typer.Option(None, help=f"{describe(StoreConfig, 'uri')} [default: {StoreConfig().uri}]"),
     config: Optional[Path] = typer.Option(None, help="JSON file of NightlyConfig fields (overrides)."),
+    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="A task file to train on beside the families "
+                                              "(.jsonl, .jsonl.gz, .parquet; repeatable): adds to envs.sources."),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
     cfg = _settings(config, steps, run_id, store)
+    cfg = _with_sources(cfg, tasks or [], config)
     from ratchet.preflight import SettingsError, require
 
     try:
@@ -145,6 +149,20 @@ def _settings(config: Path | None, steps: int | None, run_id: str | None, store:
             got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
             typer.echo(message(f"field {where!r}: {err['msg']}{got}", config or "options"), err=True)
         raise typer.Exit(2)
+
+
+def _with_sources(cfg: NightlyConfig, tasks: list[str], config: Path | None) -> NightlyConfig:
+    """`--tasks` files appended to envs.sources (local paths made absolute: the flow may run elsewhere)."""
+    if not tasks:
+        return cfg
+    added = tuple(t if "://" in t else str(Path(t).expanduser().absolute()) for t in tasks)
+    try:
+        envs = cfg.envs.model_validate({**cfg.envs.model_dump(), "sources": cfg.envs.sources + added})
+    except ValidationError as e:
+        for err in e.errors():
+            typer.echo(message(f"--tasks: {err['msg'].removeprefix('Value error, ')}", config or "options"), err=True)
+        raise typer.Exit(2)
+    return cfg.model_copy(update={"envs": envs})
 
 
 def _ephemeral_api_dies_with_us() -> None:

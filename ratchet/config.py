@@ -71,6 +71,12 @@ class EnvsConfig(Frozen):
     seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
     version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
     max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
+    sources: tuple[str, ...] = Field(
+        (), description="Imported task sets trained on beside the families: task-spec JSONL (.jsonl, .jsonl.gz) or "
+        "Parquet files, by path, file:// URI or s3:// URI inside the store. Each is imported (bad lines quarantined "
+        "beside its snapshot), deduplicated, split (a line's own split wins, else a hash of its task_id), "
+        "decontaminated against its held-out split, audited; pass rates are reported per source (envs/sources.py).",
+    )
 
     @field_validator("family_config")
     @classmethod
@@ -82,6 +88,16 @@ class EnvsConfig(Frozen):
                 get_family(name).config.model_validate(settings)
             except KeyError as e:
                 raise ValueError(str(e).strip("'\"")) from None
+        return value
+
+    @field_validator("sources")
+    @classmethod
+    def _known_sources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from envs.sources import check_sources
+
+        problems = check_sources(value)
+        if problems:
+            raise ValueError("; ".join(problems))
         return value
 
     def generator_config(self, family: str) -> BaseModel:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from envs.registry import get_family
+from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.rollout.wave import pick_tasks, wave_frame
@@ -18,11 +18,14 @@ from ratchet.verify import verify_many
 
 
 def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
-    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum) x `group_size`.
-    The tasks and the samples are a function of (weights, train.seed, step) alone, so a wave redone
-    after a resume from the same checkpoint draws the same completions."""
-    family = get_family(tasks[0].family)
-    specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, family.curriculum, cfg.train.seed)
+    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum; an imported set's: by
+    declared difficulty) x `group_size`. The tasks and the samples are a function of (weights,
+    train.seed, step) alone, so a wave redone after a resume from the same checkpoint draws the same
+    completions. No tasks (an imported set that is all held out): no rows."""
+    if not tasks:
+        return wave_frame(run_id, step, version, [], [], cfg.rollout.group_size)
+    curriculum = curriculum_for(tasks[0].family)
+    specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, curriculum, cfg.train.seed)
     rollouts = engine.generate(
         [s.prompt for s in specs], n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size,

@@ -76,6 +76,9 @@ def files(tmp_path) -> dict[str, str]:
     (d / "latin1").write_bytes(b'print("caf\xe9")\n')
     pl.DataFrame({"x": [1, 2]}).write_parquet(d / "unrelated.parquet")
     pl.DataFrame({"reward": [1.0]}).write_parquet(d / "reward_only.parquet")
+    (d / "all_bad.jsonl").write_text(texts["tasks_all_bad"])
+    (d / "good.jsonl").write_text(texts["tasks"])
+    out.update(all_bad_jsonl=str(d / "all_bad.jsonl"), good_jsonl=str(d / "good.jsonl"))
     out.update(binary=str(d / "binary"), latin1=str(d / "latin1"), dir=str(d), missing=str(d / "missing"),
                unrelated=str(d / "unrelated.parquet"), reward_only=str(d / "reward_only.parquet"))
     store = open_store(str(tmp_path / "store"))
@@ -147,6 +150,11 @@ CASES = [
     ("run-model-not-hf", "run --config {config_not_hf}", 2, "no config.json"),
     ("run-unknown-family", "run --config {config_family}", 2, "unknown environment family"),
     ("run-heads", "run --config {config_heads}", 2, "model.num_heads"),
+    ("run-tasks-missing", "run --tasks {missing}.jsonl", 2, "no such file"),
+    ("run-tasks-not-jsonl", "run --tasks {tasks}", 2, "expected a .jsonl.gz, .jsonl, .parquet file"),
+    ("run-tasks-no-good-line", "run --tasks {all_bad_jsonl}", 2, "no good task line (2 bad; first: "),
+    ("run-tasks-a-directory", "run --tasks {dir}/", 2, "expected a .jsonl.gz"),
+    ("run-tasks-same-name", "run --tasks {good_jsonl} --tasks {dir}/../good.jsonl", 2, "would both be named"),
     # ratchet verify
     ("verify-tasks-missing", "verify --tasks {missing} --completions {comp_no_completion}", 2, "no such tasks file"),
     ("verify-completions-missing", "verify --tasks {tasks} --completions {missing}", 2, "no such completions file"),
@@ -226,6 +234,17 @@ def test_good_settings_reach_the_flow(files, no_flow):
     assert res.exit_code == 0, res.output
     assert [c.run_id for c in no_flow] == ["ok-1.a_b"]
     assert json.loads(res.stdout.strip().splitlines()[-1])["run_id"] == "ok-1.a_b"
+
+
+def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
+    """`--tasks` (repeatable) adds to the config's envs.sources, relative paths made absolute."""
+    cfg = Path(files["dir"]) / "with_source.json"
+    cfg.write_text(json.dumps({"envs": {"sources": [files["good_jsonl"]]}}))
+    (Path(files["dir"]) / "second.jsonl").write_text(_jsonl(TASK))
+    monkeypatch.chdir(files["dir"])
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--tasks", "second.jsonl", "--store", files["store"]])
+    assert res.exit_code == 0, res.output
+    assert no_flow[0].envs.sources == (files["good_jsonl"], str(Path(files["dir"]) / "second.jsonl"))
 
 
 def test_every_problem_is_reported_at_once(files, no_flow):
