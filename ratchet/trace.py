@@ -130,7 +130,9 @@ def _metrics_line(m: dict | None) -> str:
             f"timed out {'yes' if m['timed_out'] else 'no'}, flags {flags}")
 
 
-def _feedback_lines(fb: dict | None) -> list[str]:
+def _feedback_lines(fb: dict | None, recorded: bool = True) -> list[str]:
+    if not recorded:
+        return ["feedback: not recorded (the wave was scored before feedback was kept)"]
     if fb is None:
         return ["feedback: none (not run: an empty completion, a task error, or not verified yet)"]
     how = f"exit {fb['exit_code']}" if fb["exit_code"] is not None else "no exit code"
@@ -148,22 +150,24 @@ def _feedback_lines(fb: dict | None) -> list[str]:
     return lines
 
 
-def render_row(row: dict, with_prompt: bool = True) -> str:
-    """One trajectory row, readably."""
+def render_row(row: dict, with_prompt: bool = True, trained: bool = False) -> str:
+    """One trajectory row, readably (`trained`: the row comes from trained.parquet)."""
     head = (f"--- task {row['task_id']} | group {row['group_id']} | sample {row['sample_idx']} "
             f"| policy v{row['policy_version']} ---")
     verdict = f"reward {_num(row.get('reward'))}"
-    if "advantage" in row and row.get("advantage") is not None:
+    if row.get("advantage") is not None:
         verdict += f" | advantage {row['advantage']:+.3f}"
     elif row.get("token_advantages") is not None:
         verdict += f" | token advantages mean {sum(row['token_advantages']) / max(len(row['token_advantages']), 1):+.3f}"
+    elif trained:
+        verdict += " | not trained on (its group was excluded or had equal rewards)"
     if row.get("env_error"):
         verdict += f" | env_error: {row.get('env_error_kind')} (excluded, never scored)"
     lines = [head, verdict, _metrics_line(row.get("metrics"))]
     if with_prompt:
         lines += ["prompt:", _indent(row["prompt"])]
     lines += ["completion:", _indent(row["completion"])]
-    lines += _feedback_lines(row.get("feedback"))
+    lines += _feedback_lines(row.get("feedback"), recorded="feedback" in row)
     return "\n".join(lines)
 
 
@@ -178,7 +182,7 @@ def render(wave: Wave) -> str:
     for row in rows:
         first = row["task_id"] not in seen
         seen.add(row["task_id"])
-        out += ["", render_row(row, with_prompt=first)]
+        out += ["", render_row(row, with_prompt=first, trained=wave.table == "trained.parquet")]
     return "\n".join(out)
 
 

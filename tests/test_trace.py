@@ -47,7 +47,8 @@ def make_wave(store_uri: str, production) -> tuple[NightlyConfig, list]:
     score_wave task, with trained.parquet (RLOO advantages) beside it. Returns the config and the tasks."""
     from tasks.score import score_wave
 
-    cfg = NightlyConfig(store=StoreConfig(uri=store_uri), rollout=RolloutConfig(prompts_per_wave=2, group_size=GROUP))
+    cfg = NightlyConfig(store=StoreConfig(uri=store_uri), rollout=RolloutConfig(prompts_per_wave=2, group_size=GROUP),
+                        verify=VerifyConfig(timeout_s=60, feedback_bytes=1024))   # no timeouts on a busy machine
     store = open_store(store_uri)
     train = save_production(store, production)["train"]
     a, b = production.train[:2]
@@ -102,7 +103,7 @@ def test_feedback_of_pytest_script_and_call_tasks():
 # --- a scored wave ---------------------------------------------------------------------------
 
 def test_scored_wave_keeps_feedback_and_passes_the_gate(wave):
-    store, _, (a, b) = wave
+    store, cfg, (a, b) = wave
     scored = store.read_table(f"runs/{RUN}/waves/{STEP:06d}/scored.parquet")
     assert scored.schema == TRAJECTORY_SCHEMA
     assert scored["reward"].to_list() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
@@ -112,7 +113,7 @@ def test_scored_wave_keeps_feedback_and_passes_the_gate(wave):
     report = check_wave(scored, GateConfig(max_zero_variance_frac=1.0))
     assert report.success, report.to_markdown()
     record = store.get_json(f"runs/{RUN}/waves/{STEP:06d}/scoring.json")
-    assert record["verify"] == VerifyConfig().model_dump(mode="json") and len(record["train"]) == 1
+    assert record["verify"] == cfg.verify.model_dump(mode="json") and len(record["train"]) == 1
 
 
 def test_show_prints_prompt_completion_reward_feedback_and_advantage(wave):
@@ -161,7 +162,8 @@ def test_replay_catches_a_changed_hidden_test(wave):
 
 def test_replay_of_a_tampered_snapshot_says_so(tmp_path, production):
     """Someone rewrote the task snapshot in the store after the run: the replay still runs, notes
-    that the snapshot no longer matches its recorded sha256, and the changed test shows."""
+    that the snapshot no longer matches its recorded sha256, and the changed test shows. It scores
+    with the run's recorded RewardConfig (here changed to no partial credit), not the defaults."""
     store_uri = str(tmp_path / "store")
     _, (a, _) = make_wave(store_uri, production)
     store = open_store(store_uri)
@@ -172,8 +174,12 @@ def test_replay_of_a_tampered_snapshot_says_so(tmp_path, production):
     store.write_table(key, table.with_columns(
         pl.when(pl.col("task_id") == a.task_id).then(pl.lit(spec.model_dump_json())).otherwise(pl.col("spec_json"))
         .alias("spec_json")))
+    record_key = f"runs/{RUN}/waves/{STEP:06d}/scoring.json"          # the run's own settings are used:
+    record = store.get_json(record_key)                               # without partial credit, 9 of 10 scores 0
+    store.put_json(record_key, {**record, "reward": {**record["reward"], "partial_credit": False}})
     report = replay(store, RUN, STEP, a.task_id)
     assert [s.reproduced for s in report.samples] == [False, True, True, False]
+    assert report.samples[0].replayed_pass_rate == pytest.approx(0.9) and report.samples[0].replayed_reward == 0.0
     assert len(report.notes) == 1 and report.notes[0].startswith("the task snapshot changed since the wave was scored")
     res = CliRunner().invoke(app, ["trace", "replay", RUN, "--step", str(STEP), "--task", a.task_id,
                                    "--store", store_uri, "--json"])
@@ -190,10 +196,15 @@ def test_unknown_run_wave_task_and_missing_record(wave, tmp_path):
     with pytest.raises(TraceError, match=f"task 'zz' is not in wave {STEP} of run '{RUN}'; its tasks: {a.task_id}, "):
         load_wave(store, RUN, STEP, "zz")
     other = open_store(str(tmp_path / "old"))          # a wave scored before scoring records existed
-    other.write_table(f"runs/old/waves/000000/scored.parquet", store.read_table(f"runs/{RUN}/waves/{STEP:06d}/scored.parquet"))
+    scored = store.read_table(f"runs/{RUN}/waves/{STEP:06d}/scored.parquet")
+    other.write_table("runs/old/waves/000000/scored.parquet", scored)
     assert "thinking about" in render(load_wave(other, "old", 0))            # shown...
     with pytest.raises(TraceError, match="has no scoring record .* it can be shown, not replayed"):
         replay(other, "old", 0, a.task_id)                                 # ...not replayed
+    other.write_table("runs/old/waves/000001/trained.parquet", scored.drop("feedback"))   # older still: no feedback
+    text = render(load_wave(other, "old", 1, a.task_id))
+    assert text.count("feedback: not recorded (the wave was scored before feedback was kept)") == GROUP
+    assert text.count("| not trained on (its group was excluded or had equal rewards)") == GROUP
 
 
 def test_cli_show_and_replay(wave):
