@@ -6,6 +6,7 @@
     ratchet envs import FILE --format taskspec|humaneval                         user task specs
     ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
     ratchet gate check FILE.parquet                                               the wave gate
+    ratchet trace show RUN --step N [--task ID] | ratchet trace replay RUN --step N --task ID   traces
     ratchet serve --model DIR [--port N] [--host H]                               OpenAI-compatible rollout server
 
 Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
@@ -33,6 +34,7 @@ from ratchet.config import NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
 from ratchet.sandbox.cli import app as sandbox_app
+from ratchet.trace_cli import app as trace_app
 from ratchet.verify.cli import verify_command
 
 app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestrated with Prefect.",
@@ -40,6 +42,7 @@ app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestr
 app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspect its mechanisms.")
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
 app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
+app.add_typer(trace_app, name="trace", help="Show a wave's trajectories; replay them to see if the rewards reproduce.")
 app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
 
 

@@ -180,6 +180,8 @@ class VerifyConfig(Frozen):
     memory_mb: int = Field(512, ge=32, le=65536, description="Address-space limit of one verification run.")
     concurrency: int = Field(2, ge=1, le=1024, description="Verification runs in parallel.")
     env_error_retries: int = Field(2, ge=0, le=10, description="Retries of a run that failed for infrastructure reasons.")
+    feedback_bytes: int = Field(2048, ge=0, le=1_000_000, description="Bytes of stdout and of stderr (their tails) kept "
+                                "with each verified row of a wave, for `ratchet trace`.")
 
     def sandbox_limits(self) -> Limits:
         """The sandbox limits of one verification run: the only mapping from these settings to the

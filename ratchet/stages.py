@@ -12,6 +12,7 @@ import polars as pl
 from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
+from ratchet.data.schemas import FEEDBACK
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.train.batching import TrainSample
 from ratchet.verify import verify_many
@@ -40,14 +41,17 @@ def wave_seed(seed: int, step: int) -> int:
 
 
 def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:
-    """Fill `metrics`, `env_error`, `env_error_kind` by running every completion in the sandbox."""
+    """Fill `metrics`, `env_error`, `env_error_kind` and `feedback` (what the sandbox said: output
+    tails, failed tests; `ratchet trace` shows it) by running every completion in the sandbox."""
     items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
-    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries)
+    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries,
+                          feedback_bytes=cfg.verify.feedback_bytes)
     metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
     return frame.with_columns(
         metrics,
         pl.Series("env_error", [r.env_error for r in results], dtype=pl.Boolean),
         pl.Series("env_error_kind", [r.env_error_kind for r in results], dtype=pl.String),
+        pl.Series("feedback", [r.feedback for r in results], dtype=FEEDBACK),
     )
 
 

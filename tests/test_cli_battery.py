@@ -2,7 +2,8 @@
 
     /work/main/.venv/bin/python -m pytest tests/test_cli_battery.py -q
 
-Each case feeds one command (run, verify, envs import, gate check, sandbox run, sandbox doctor)
+Each case feeds one command (run, verify, envs import, gate check, sandbox run, sandbox doctor,
+trace show, trace replay)
 a malformed file, a wrong type, a missing path, a directory, a binary file, a hostile run id or
 a bad store URI through typer's CliRunner, and checks: no traceback (nor a rich error box),
 stderr ends in `error: ...` naming the problem, exit 2 for bad input (1 for a check that ran
@@ -27,6 +28,7 @@ from typer.testing import CliRunner
 
 from ratchet.cli import app
 from ratchet.store import open_store
+from tests.data.waves import clean_wave
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +85,7 @@ def files(tmp_path) -> dict[str, str]:
                unrelated=str(d / "unrelated.parquet"), reward_only=str(d / "reward_only.parquet"))
     store = open_store(str(tmp_path / "store"))
     store.put_json("runs/existing/summary.json", {"kept": True})
+    store.write_table("runs/existing/waves/000000/scored.parquet", clean_wave(groups=1))   # no scoring record
     out["store"] = str(tmp_path / "store")
     return out
 
@@ -212,6 +215,23 @@ CASES = [
     ("serve-model-not-hf", "serve --model {dir}", 2, "no config.json"),
     ("serve-model-a-file", "serve --model {tasks}", 2, "is a file"),
     ("serve-bad-port", "serve --model {dir} --port 70000", 2, "'--port'"),
+    # ratchet trace show / replay: a run, wave or task that is not there; a run id or store that cannot be
+    ("trace-unknown-run", "trace show nope --step 0 --store {store}", 2, "no run 'nope' in the store"),
+    ("trace-unknown-step", "trace show existing --step 4 --store {store}", 2, "run 'existing' has no wave 4; its waves: 0"),
+    ("trace-unknown-task", "trace show existing --step 0 --task zz --store {store}", 2,
+     "task 'zz' is not in wave 0 of run 'existing'; its tasks: task0"),
+    ("trace-negative-step", "trace show existing --step -1 --store {store}", 2, "'--step'"),
+    ("trace-no-step", "trace show existing --store {store}", 2, "Missing option '--step'"),
+    ("trace-bad-run-id", "trace show ../evil --step 0 --store {store}", 2, "run_id '../evil'"),
+    ("trace-store-missing", "trace show existing --step 0 --store {missing}", 2, "no store here"),
+    ("trace-store-ftp", "trace show existing --step 0 --store ftp://x/y", 2, "unsupported scheme 'ftp'"),
+    ("trace-replay-no-task", "trace replay existing --step 0 --store {store}", 2, "Missing option '--task'"),
+    ("trace-replay-unknown-run", "trace replay nope --step 0 --task t --store {store}", 2, "no run 'nope'"),
+    ("trace-replay-unknown-task", "trace replay existing --step 0 --task zz --store {store}", 2, "task 'zz' is not in wave 0"),
+    ("trace-replay-no-record", "trace replay existing --step 0 --task task0 --store {store}", 2,
+     "wave 0 of run 'existing' has no scoring record"),
+    ("trace-replay-bad-tolerance", "trace replay existing --step 0 --task task0 --tolerance -1 --store {store}", 2,
+     "'--tolerance'"),
 ]
 
 
