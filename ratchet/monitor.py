@@ -57,7 +57,7 @@ class Alarm:
 
     def message(self) -> str:
         """One line: which signal, at which wave, with which values."""
-        text = f"{self.monitor.replace('_', ' ')} at wave {self.wave}: {self.signal} {self.values[-1]:.4g} {self.rule}"
+        text = f"{NAMES[self.monitor]} at wave {self.wave}: {self.signal} {self.values[-1]:.4g} {self.rule}"
         if len(self.waves) > 1:
             shown = ", ".join(f"{v:.4g}" for v in self.values)
             text += f" for {len(self.waves)} waves in a row (waves {self.waves[0]}-{self.waves[-1]}: {shown})"
@@ -156,6 +156,10 @@ def _length_drift(xs: Series, t: int, cfg: MonitorConfig) -> Breach | None:
         return Breach(x, base / f, f"< baseline {base:.4g} / {f:g} = {base / f:.4g}")
     return None
 
+
+NAMES = {"reward_collapse": "reward collapse", "entropy_collapse": "entropy collapse", "kl_blowup": "KL blow-up",
+         "length_drift": "completion-length drift", "env_error_spike": "env_error spike",
+         "zero_variance": "zero-variance share"}   # as messages say them
 
 MONITORS: list[tuple[str, str, Rule]] = [   # (monitor, signal, rule)
     ("reward_collapse", "reward_mean", _reward_collapse),

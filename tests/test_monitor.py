@@ -90,7 +90,7 @@ def test_the_baseline_waves_themselves_are_not_judged_against_the_baseline():
 def test_kl_blowup_on_approx_kl_and_on_the_reference_kl():
     cfg = only(max_approx_kl=0.1, max_kl=1.0, patience=2)
     assert messages(waves(approx_kl=[0.01, 0.2, 0.3]), cfg) == [
-        "kl blowup at wave 2: approx_kl 0.3 > ceiling 0.1 for 2 waves in a row (waves 1-2: 0.2, 0.3)"]
+        "KL blow-up at wave 2: approx_kl 0.3 > ceiling 0.1 for 2 waves in a row (waves 1-2: 0.2, 0.3)"]
     assert messages(waves(approx_kl=[0.2, 0.01, 0.3]), cfg) == []              # not consecutive
     [alarm] = check_health(waves(kl=[0.5, 1.5, 2.5], approx_kl=[0.01, 0.01, 0.01]), cfg)
     assert (alarm.signal, alarm.values) == ("kl", (1.5, 2.5))
@@ -100,7 +100,7 @@ def test_a_wave_without_the_signal_does_not_breach_and_nan_always_does():
     cfg = only(max_approx_kl=0.1, patience=2)
     assert check_health(waves(approx_kl=[0.5, None, 0.5]), cfg) == []          # a wave that trained nothing
     assert messages(waves(approx_kl=[0.01, math.nan, math.inf]), cfg) == [
-        "kl blowup at wave 2: approx_kl inf is not finite for 2 waves in a row (waves 1-2: nan, inf)"]
+        "KL blow-up at wave 2: approx_kl inf is not finite for 2 waves in a row (waves 1-2: nan, inf)"]
 
 
 # --- completion-length drift ----------------------------------------------------------------
@@ -108,10 +108,10 @@ def test_a_wave_without_the_signal_does_not_breach_and_nan_always_does():
 def test_length_drift_up_and_down_from_the_baseline():
     cfg = only(length_drift_factor=2.0, baseline_waves=2, patience=2)
     assert messages(waves(completion_tokens_mean=[20, 20, 45, 50]), cfg) == [
-        "length drift at wave 3: completion_tokens_mean 50 > 2 x baseline 20 = 40 for 2 waves in a row "
+        "completion-length drift at wave 3: completion_tokens_mean 50 > 2 x baseline 20 = 40 for 2 waves in a row "
         "(waves 2-3: 45, 50)"]
     assert messages(waves(completion_tokens_mean=[18, 22, 8, 9]), cfg) == [
-        "length drift at wave 3: completion_tokens_mean 9 < baseline 20 / 2 = 10 for 2 waves in a row (waves 2-3: 8, 9)"]
+        "completion-length drift at wave 3: completion_tokens_mean 9 < baseline 20 / 2 = 10 for 2 waves in a row (waves 2-3: 8, 9)"]
     assert check_health(waves(completion_tokens_mean=[20, 20, 39, 11]), cfg) == []
 
 
@@ -120,7 +120,7 @@ def test_length_drift_up_and_down_from_the_baseline():
 def test_env_error_spike_needs_patience_consecutive_waves():
     cfg = only(max_env_error_rate=0.02, patience=2)
     assert messages(waves(env_error_rate=[0.0, 0.03, 0.04]), cfg) == [
-        "env error spike at wave 2: env_error_rate 0.04 > ceiling 0.02 for 2 waves in a row (waves 1-2: 0.03, 0.04)"]
+        "env_error spike at wave 2: env_error_rate 0.04 > ceiling 0.02 for 2 waves in a row (waves 1-2: 0.03, 0.04)"]
     assert check_health(waves(env_error_rate=[0.03, 0.0, 0.03]), cfg) == []
     assert check_health(waves(env_error_rate=[0.0, 0.02, 0.02]), cfg) == []    # at the ceiling is not above it
 
@@ -144,8 +144,8 @@ def test_a_monitor_can_be_turned_off_alone_or_all_at_once():
 def test_the_error_names_every_tripped_monitor_and_the_alarm_is_plain_json():
     alarms = check_health(waves(env_error_rate=[0.5, 0.5], zero_variance_frac=[1.0, 1.0]), MonitorConfig())
     err = HealthCheckFailed(alarms)
-    assert str(err) == ("env error spike at wave 1: env_error_rate 0.5 > ceiling 0.02 for 2 waves in a row "
-                        "(waves 0-1: 0.5, 0.5); zero variance at wave 1: zero_variance_frac 1 > ceiling 0.9 "
+    assert str(err) == ("env_error spike at wave 1: env_error_rate 0.5 > ceiling 0.02 for 2 waves in a row "
+                        "(waves 0-1: 0.5, 0.5); zero-variance share at wave 1: zero_variance_frac 1 > ceiling 0.9 "
                         "for 2 waves in a row (waves 0-1: 1, 1)")
     d = json.loads(json.dumps(alarms[0].to_dict()))
     assert d == {"monitor": "env_error_spike", "signal": "env_error_rate", "wave": 1, "waves": [0, 1],
