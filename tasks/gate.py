@@ -37,6 +37,8 @@ def check_health(run_id: str, step: int, cfg: NightlyConfig) -> None:
     """The health monitors (`ratchet.monitor`) over the run's recorded waves up to `step`. A tripped
     one is written into the wave's stats.json (`alarms`) and the run's summary.json (`health`),
     published as an artifact, and raised: `HealthCheckFailed` stops the run before promotion."""
+    if not cfg.monitor.enabled:
+        return
     store = open_store(cfg.store)
     history = summaries.history(store, run_id, step + 1)
     if not history or history[-1]["step"] != step:
