@@ -1,7 +1,8 @@
 """The nightly training cycle, top to bottom.
 
     produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
-    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave (-> checkpoint_policy, evaluate)] x steps
+    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> check_health
+        (-> checkpoint_policy, evaluate)] x steps
     -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
@@ -27,7 +28,7 @@ from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, evaluate_incumbent, promote
-from tasks.gate import gate_wave
+from tasks.gate import check_health, gate_wave
 from tasks.produce import import_envs, produce_envs
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
@@ -61,6 +62,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
                 stats["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
             record_wave(run_id, step, stats, cfg)
+            check_health(run_id, step, cfg)                # a tripped health monitor stops the run here
             logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
                         wave_stats["reward_mean"], train_stats.get("train_samples", 0))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:

@@ -15,7 +15,7 @@ from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.train.batching import TrainSample
-from ratchet.verify import verify_many
+from ratchet.verify import passed, verify_many
 
 
 def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
@@ -70,6 +70,29 @@ def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     groups = frame["group_id"].n_unique()
     return {"groups": groups, "groups_env_error": groups - complete["group_id"].n_unique(),
             "groups_zero_variance": int(equal or 0)}
+
+
+def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
+    """A scored wave's figures, as the health monitors (`ratchet.monitor`) read them: `group_stats`,
+    and reward mean/std and pass rate over the verified rows, `zero_variance_frac` (of the whole
+    groups), `env_error_rate` (of all rows), `completion_tokens_mean`, and `sampled_entropy`: the
+    sampling policy's entropy in nats per token, estimated over every completion token of the wave
+    as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward pass)."""
+    stats = group_stats(frame, cfg)
+    verified = frame.filter(~pl.col("env_error"))
+    judged = stats["groups"] - stats["groups_env_error"]
+    logprobs = frame["behavior_logprobs"].explode().drop_nulls()
+    stats.update(
+        reward_mean=float(frame["reward"].mean() or 0.0),
+        reward_std=float(verified["reward"].std() or 0.0),
+        pass_rate=sum(passed(m) for m in verified["metrics"]) / verified.height if verified.height else 0.0,
+        zero_variance_frac=stats["groups_zero_variance"] / judged if judged else 0.0,
+        env_error_rate=float(frame["env_error"].mean() or 0.0),
+        completion_tokens_mean=float(frame["completion_tokens"].mean() or 0.0),
+    )
+    if logprobs.len():
+        stats["sampled_entropy"] = -float(logprobs.mean())
+    return stats
 
 
 def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:

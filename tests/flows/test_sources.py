@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from envs.runtime import _writable
-from ratchet.config import (AuditConfig, EnvsConfig, EvalConfig, GateConfig, ModelConfig, NightlyConfig,
+from ratchet.config import (AuditConfig, EnvsConfig, EvalConfig, GateConfig, ModelConfig, MonitorConfig,
+                            NightlyConfig,
                             RolloutConfig, StoreConfig, TrainConfig, VerifyConfig)
 from ratchet.store import open_store
 
@@ -97,6 +98,7 @@ def run(prefect_harness, runtimes, tmp_path_factory):
         rollout=RolloutConfig(prompts_per_wave=3, group_size=2, max_new_tokens=16),
         train=TrainConfig(minibatch_prompts=2),
         gate=GateConfig(max_zero_variance_frac=1.0),
+        monitor=MonitorConfig(max_zero_variance_frac=None),  # the tiny model's groups are all-equal
         eval=EvalConfig(n_tasks=8, min_gain=1.0),
     )
     return store_uri, str(src), nightly(cfg)
