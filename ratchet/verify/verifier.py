@@ -33,10 +33,9 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Callable
-
-import os
 
 from envs.runtime import resolve
 from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, TaskSpec
