@@ -135,6 +135,19 @@ def test_missing_program_is_an_env_error_decided_before_the_run():
     assert v.env_error and v.env_error_kind.startswith("runtime: command not found: nosuchtool")
 
 
+def test_json_report_plugin_missing_is_an_env_error():
+    """pytest-json-report is not in this runtime: asking for --json-report is the task's environment's
+    problem, decided on the host (a completion cannot fake it by printing pytest's usage error)."""
+    from ratchet.sandbox.host import host_python
+    from ratchet.verify.commands import _imports
+    if _imports(host_python(), "pytest_jsonreport"):
+        pytest.skip("pytest-json-report is installed in this runtime")
+    spec = task("pytest -q tests --json-report --json-report-file=report.json", "jsonrep",
+                report=Report(path="report.json", format="pytest-json"))
+    [v] = verify_many([(spec, GOOD)], LIMITS)
+    assert v.env_error and "pytest-json-report (--json-report) is not installed" in v.env_error_kind
+
+
 MISSING = "/nonexistent/ratchet-missing-0.0-py3-none-any.whl"   # fails without any network
 
 
