@@ -306,17 +306,18 @@ def _last_summary(stdout: str) -> dict[str, int] | None:
     return None
 
 
-def pytest_report(stdout: str) -> tuple[dict[str, int] | None, bool]:
+def pytest_report(stdout: str, strict: bool = True) -> tuple[dict[str, int] | None, bool]:
     """({"passed", "failed", "errors"} or None, coherent) from pytest's output: the last summary
     line ("2 failed, 3 passed in 0.1s"), else the -rA outcome lines. Incoherent: the -rA lines
-    contradict each other (a test both PASSED and FAILED) or the summary (a forged summary)."""
+    contradict each other (a test both PASSED and FAILED) or, if `strict`, the summary (a forged
+    summary). Not strict: for a shell line, whose pipeline may keep only part of the output."""
     summary, outcomes = _last_summary(stdout), outcome_counts(stdout)
     if outcomes is None:
         return summary, True
     lines, coherent = outcomes
     if summary is None:
         return lines, coherent
-    return summary, coherent and summary == lines
+    return summary, coherent and (summary == lines or not strict)
 
 
 def pytest_counts(stdout: str) -> dict[str, int] | None:

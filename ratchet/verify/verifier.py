@@ -211,7 +211,8 @@ def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
     Shell kind: the report's or pytest's counts, a non-zero exit despite a full pass counting as one
     more failed test; without counts, 1 of 1 when the line exits 0."""
     stdout, data = split_report(res.stdout) if p.report else (res.stdout, None)
-    terminal, coherent = pytest_report(stdout) if p.kind == "pytest" or (p.command and p.command.pytest) else (None, True)
+    ran_pytest = p.kind == "pytest" or (p.command is not None and p.command.pytest)
+    terminal, coherent = pytest_report(stdout, strict=p.kind == "pytest") if ran_pytest else (None, True)
     counts = terminal
     if p.report:
         counts, file_ok = report_counts(data, p.report.format)

@@ -112,6 +112,21 @@ def test_exit_code_only(runs):
     assert counts(runs["exit_half"]) == (0, 1) and runs["exit_half"].metrics["exit_code"] == 3
 
 
+def test_a_pipeline_may_keep_part_of_pytests_output():
+    """`pytest ... | tail -2` keeps one outcome line and the summary: counted from the summary, not flagged
+    (in a one-pytest line the same mismatch is a forged report)."""
+    from ratchet.sandbox import Payload, RunResult
+    from ratchet.verify.verifier import Plan, _command_passed
+    out = "FAILED tests/test_a.py::test_two - assert 0 == 6\n1 failed, 2 passed in 0.1s\n"
+    res = RunResult(exit_code=0, signal=None, killed_by=None, timed_out=False, stdout=out, stderr="", truncated=False,
+                    wall_ms=1.0, cpu_ms=1.0, peak_memory_mb=1.0)
+    line = parse_command("pytest -q tests | tail -2")
+    assert _command_passed(Plan(Payload(program=("/bin/sh",)), "shell", command=line), res) == (2, 3, [])
+    one = parse_command("pytest -q tests")
+    res1 = RunResult(**{**res.__dict__, "exit_code": 1})
+    assert _command_passed(Plan(Payload(program=("/bin/sh",)), "pytest", command=one), res1) == (0, 3, ["inconsistent_test_report"])
+
+
 def test_missing_report_scores_nothing(runs):
     assert counts(runs["no_report"]) == (0, 0) and not runs["no_report"].passed
 
