@@ -157,7 +157,7 @@ def production_code_hash() -> str:
 def fingerprint(family: str, gen_cfg: BaseModel, cfg: EnvsConfig, c: CleanConfig) -> str:
     blob = json.dumps({"code": family_code_hash(family), "production": production_code_hash(),
                        "generator": gen_cfg.model_dump(mode="json"),
-                       "envs": cfg.model_dump(mode="json", exclude={"families", "family_config", "clean"}),
+                       "envs": cfg.model_dump(mode="json", exclude={"families", "family_config", "clean", "sources"}),
                        "clean": c.model_dump(mode="json")}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -175,7 +175,7 @@ def produce(family: str, cfg: EnvsConfig) -> Production:
     lineage = {
         "family": family, "version": version, "family_code_sha256": family_code_hash(family),
         "production_code_sha256": production_code_hash(),
-        "generator_config": gen_cfg.model_dump(mode="json"), "envs_config": cfg.model_dump(mode="json", exclude={"family_config", "clean"}),
+        "generator_config": gen_cfg.model_dump(mode="json"), "envs_config": cfg.model_dump(mode="json", exclude={"family_config", "clean", "sources"}),
         "clean_config": c.model_dump(mode="json"), "seed": cfg.seed,
         "counts": {"train": train_counts, "heldout": held_counts},
     }

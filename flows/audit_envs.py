@@ -13,7 +13,7 @@ from prefect import flow
 
 from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, VerifyConfig
 from tasks.audit import AuditResult, audit_envs
-from tasks.produce import produce_envs
+from tasks.produce import import_envs, produce_envs
 
 
 @flow(name="audit_envs", log_prints=True)
@@ -23,6 +23,7 @@ def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), audit: AuditConfig = AuditC
     nightly config's own sections (`NightlyConfig.envs/.audit/.verify/.store`): the same
     values give the same snapshot and the same verdicts as the nightly's audit."""
     snapshots = [produce_envs(family, envs, store) for family in envs.families]
+    snapshots += [import_envs(source, envs, store) for source in envs.sources]
     return [audit_envs(snapshot, audit, verify, store) for snapshot in snapshots]
 
 

@@ -1,7 +1,8 @@
 """The nightly training cycle, top to bottom.
 
-    produce_envs -> audit_envs -> bootstrap_policy -> evaluate (base)
-    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave (-> checkpoint_policy, evaluate)] x steps
+    produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
+    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> check_health
+        (-> checkpoint_policy, evaluate)] x steps
     -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
@@ -20,14 +21,15 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from envs.sources import pass_rates_by_source
 from ratchet.config import NightlyConfig
 from ratchet.eval.report import vertical_table
 from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, evaluate_incumbent, promote
-from tasks.gate import gate_wave
-from tasks.produce import produce_envs
+from tasks.gate import check_health, gate_wave
+from tasks.produce import import_envs, produce_envs
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
 from tasks.summary import record_wave, write_summary
@@ -42,6 +44,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
 
     with run_attempt(open_store(cfg.store), run_id, owner=flow_run.id or run_id) as lease:
         snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
+        snapshots += [import_envs(source, cfg.envs, cfg.store) for source in cfg.envs.sources]   # users' task sets
         audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
         train = [a.passed for a in audits]
         heldout = [a.heldout_passed for a in audits]
@@ -59,6 +62,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
                 stats["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
             record_wave(run_id, step, stats, cfg)
+            check_health(run_id, step, cfg)                # a tripped health monitor stops the run here
             logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
                         wave_stats["reward_mean"], train_stats.get("train_samples", 0))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
@@ -88,5 +92,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         "incumbent": incumbent,
         "eval_table": vertical_table({"base": base, "candidate": final, "incumbent": incumbent}, cfg.eval.confidence),
         "audits": [a.counts for a in audits],
+        "sources": [s.imported for s in snapshots if s.imported],
+        "by_source": pass_rates_by_source({"base": base, "final": final, "incumbent": incumbent}),
         "config": cfg.model_dump(mode="json"),
     }, cfg)

@@ -10,13 +10,15 @@ from __future__ import annotations
 from prefect import flow
 
 from ratchet.config import EnvsConfig, StoreConfig
-from tasks.produce import EnvSnapshot, produce_envs
+from tasks.produce import EnvSnapshot, import_envs, produce_envs
 
 
 @flow(name="produce_envs", log_prints=True)
 def produce_envs_flow(envs: EnvsConfig = EnvsConfig(), store: StoreConfig = StoreConfig()) -> list[EnvSnapshot]:
-    """Generate, dedup and decontaminate every configured family; write versioned snapshots."""
-    return [produce_envs(family, envs, store) for family in envs.families]
+    """Generate, dedup and decontaminate every configured family (and import every configured
+    task source); write versioned snapshots."""
+    return ([produce_envs(family, envs, store) for family in envs.families]
+            + [import_envs(source, envs, store) for source in envs.sources])
 
 
 if __name__ == "__main__":

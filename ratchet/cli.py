@@ -1,10 +1,12 @@
 """The `ratchet` command line.
 
     ratchet run [--steps N] [--run-id ID] [--store URI] [--config FILE.json]   the nightly cycle
+                [--tasks FILE.jsonl ...]                                          + your own task sets
     ratchet sandbox run FILE [--json] | ratchet sandbox doctor                  the sandbox
     ratchet envs import FILE --format taskspec|humaneval                         user task specs
     ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
     ratchet gate check FILE.parquet                                               the wave gate
+    ratchet trace show RUN --step N [--task ID] | ratchet trace replay RUN --step N --task ID   traces
     ratchet serve --model DIR [--port N] [--host H]                               OpenAI-compatible rollout server
 
 Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
@@ -32,6 +34,7 @@ from ratchet.config import NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
 from ratchet.sandbox.cli import app as sandbox_app
+from ratchet.trace_cli import app as trace_app
 from ratchet.verify.cli import verify_command
 
 app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestrated with Prefect.",
@@ -39,6 +42,7 @@ app = typer.Typer(help="ratchet: an RL post-training pipeline for LLMs, orchestr
 app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspect its mechanisms.")
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
 app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
+app.add_typer(trace_app, name="trace", help="Show a wave's trajectories; replay them to see if the rewards reproduce.")
 app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
 
 
@@ -72,9 +76,12 @@ def run(
     run_id: Optional[str] = typer.Option(None, help="Run id; an existing one is resumed from its LATEST checkpoint."),
     store: Optional[str] = typer.Option(None, help=f"{describe(StoreConfig, 'uri')} [default: {StoreConfig().uri}]"),
     config: Optional[Path] = typer.Option(None, help="JSON file of NightlyConfig fields (overrides)."),
+    tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="A task file to train on beside the families "
+                                              "(.jsonl, .jsonl.gz, .parquet; repeatable): adds to envs.sources."),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
     cfg = _settings(config, steps, run_id, store)
+    cfg = _with_sources(cfg, tasks or [], config)
     from ratchet.preflight import SettingsError, require
 
     try:
@@ -145,6 +152,20 @@ def _settings(config: Path | None, steps: int | None, run_id: str | None, store:
             got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
             typer.echo(message(f"field {where!r}: {err['msg']}{got}", config or "options"), err=True)
         raise typer.Exit(2)
+
+
+def _with_sources(cfg: NightlyConfig, tasks: list[str], config: Path | None) -> NightlyConfig:
+    """`--tasks` files appended to envs.sources (local paths made absolute: the flow may run elsewhere)."""
+    if not tasks:
+        return cfg
+    added = tuple(t if "://" in t else str(Path(t).expanduser().absolute()) for t in tasks)
+    try:
+        envs = cfg.envs.model_validate({**cfg.envs.model_dump(), "sources": cfg.envs.sources + added})
+    except ValidationError as e:
+        for err in e.errors():
+            typer.echo(message(f"--tasks: {err['msg'].removeprefix('Value error, ')}", config or "options"), err=True)
+        raise typer.Exit(2)
+    return cfg.model_copy(update={"envs": envs})
 
 
 def _ephemeral_api_dies_with_us() -> None:

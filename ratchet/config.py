@@ -71,6 +71,12 @@ class EnvsConfig(Frozen):
     seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
     version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
     max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
+    sources: tuple[str, ...] = Field(
+        (), description="Imported task sets trained on beside the families: task-spec JSONL (.jsonl, .jsonl.gz) or "
+        "Parquet files, by path, file:// URI or s3:// URI inside the store. Each is imported (bad lines quarantined "
+        "beside its snapshot), deduplicated, split (a line's own split wins, else a hash of its task_id), "
+        "decontaminated against its held-out split, audited; pass rates are reported per source (envs/sources.py).",
+    )
 
     @field_validator("family_config")
     @classmethod
@@ -82,6 +88,16 @@ class EnvsConfig(Frozen):
                 get_family(name).config.model_validate(settings)
             except KeyError as e:
                 raise ValueError(str(e).strip("'\"")) from None
+        return value
+
+    @field_validator("sources")
+    @classmethod
+    def _known_sources(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from envs.sources import check_sources
+
+        problems = check_sources(value)
+        if problems:
+            raise ValueError("; ".join(problems))
         return value
 
     def generator_config(self, family: str) -> BaseModel:
@@ -164,6 +180,8 @@ class VerifyConfig(Frozen):
     memory_mb: int = Field(512, ge=32, le=65536, description="Address-space limit of one verification run.")
     concurrency: int = Field(2, ge=1, le=1024, description="Verification runs in parallel.")
     env_error_retries: int = Field(2, ge=0, le=10, description="Retries of a run that failed for infrastructure reasons.")
+    feedback_bytes: int = Field(2048, ge=0, le=1_000_000, description="Bytes of stdout and of stderr (their tails) kept "
+                                "with each verified row of a wave, for `ratchet trace`.")
 
     def sandbox_limits(self) -> Limits:
         """The sandbox limits of one verification run: the only mapping from these settings to the
@@ -216,6 +234,49 @@ class EvalConfig(Frozen):
     every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
 
 
+class MonitorConfig(Frozen):
+    """Health monitors over the run's waves (`ratchet.monitor`): a monitor whose signal breaches its
+    threshold for `patience` waves in a row stops the run before promotion, naming the signal, the
+    wave and the values. A threshold left empty (null) turns that monitor off. The defaults sit
+    well outside what healthy default runs record (see the README, "Health monitors")."""
+
+    enabled: bool = Field(True, description="Check the health monitors after every wave (off: none is checked).")
+    patience: int = Field(
+        2, ge=1, le=1000, description="Consecutive waves a signal must breach its threshold before its monitor trips.")
+    baseline_waves: int = Field(
+        3, ge=1, le=1000, description="The run's first N waves, averaged, are the baseline of the entropy-ratio and "
+        "length-drift monitors (which judge only the waves after them).")
+    reward_window: int = Field(
+        3, ge=1, le=1000, description="Waves averaged into the reward mean that the reward-collapse monitor compares "
+        "with its running best (a moving average: one wave's reward is noisy).")
+    reward_collapse_frac: float | None = Field(
+        0.5, gt=0, lt=1, description="Reward collapse: the moving-average reward mean falls below this fraction of its "
+        "running best (empty: off).")
+    reward_min_best: float = Field(
+        0.05, gt=0, le=1000, description="Reward collapse is judged only once the running best reaches this (a best near "
+        "zero is noise, not a level to fall from).")
+    entropy_floor: float | None = Field(
+        0.02, ge=0, le=100, description="Entropy collapse: the sampling policy's entropy (nats per token, from the "
+        "behaviour log-probs) below this floor (empty: off).")
+    entropy_min_ratio: float | None = Field(
+        0.1, gt=0, lt=1, description="Entropy collapse: the entropy below this fraction of its baseline (empty: off).")
+    max_kl: float | None = Field(
+        1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when rl.kl_coef > 0 "
+        "puts it in the loss) above this (empty: off).")
+    max_approx_kl: float | None = Field(
+        0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before and after each update "
+        "(the trainer's approx_kl, averaged over the wave's updates) above this (empty: off).")
+    length_drift_factor: float | None = Field(
+        2.0, gt=1, le=1000, description="Completion-length drift: the mean completion length (tokens) above this factor "
+        "of its baseline, or below its inverse (empty: off).")
+    max_env_error_rate: float | None = Field(
+        0.02, ge=0, le=1, description="env_error spike: the fraction of env_error rows above this for `patience` waves "
+        "(the wave gate's gate.max_env_error_rate rejects a single wave; empty: off).")
+    max_zero_variance_frac: float | None = Field(
+        0.9, ge=0, le=1, description="Zero-variance share: the fraction of whole groups whose rewards are all equal (no "
+        "learning signal) above this (empty: off).")
+
+
 class NightlyConfig(Frozen):
     """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
 
@@ -236,6 +297,8 @@ class NightlyConfig(Frozen):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="How verifier metrics become rewards.")
     gate: GateConfig = Field(default_factory=GateConfig, description="Validation gate thresholds.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation and promotion.")
+    monitor: MonitorConfig = Field(
+        default_factory=MonitorConfig, description="Health monitors: stop a run whose training goes bad, before promotion.")
 
     @field_validator("run_id")
     @classmethod

@@ -14,7 +14,9 @@ show up minutes (or waves) later, found in a second and reported all at once.
   created here: open_store would do it a moment later, and trying is the only way to know);
 - run_id: letters, digits, '._-', no '..', at most 128 characters;
 - model.path: a Hugging Face model directory (config.json inside);
-- envs: every family is registered; version is one store key component;
+- envs: every family is registered; version is one store key component; every task source
+  (`envs.sources`) can be read and has at least one good task line (an s3:// source must lie in
+  the store; it is read when the run imports it);
 - the embedded model: hidden_size splits into num_heads heads of even size (rotary);
   rollout.max_new_tokens leaves room for a prompt in model.max_seq_len;
 - train.backend deepspeed: deepspeed is installed.
@@ -57,6 +59,7 @@ def check(cfg: NightlyConfig) -> list[str]:
     problems += check_store(cfg.store.uri)
     problems += _model(cfg)
     problems += _envs(cfg)
+    problems += _sources(cfg)
     if cfg.train.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append("train.backend: 'deepspeed' is not installed in this environment (pip install deepspeed)")
     return problems
@@ -189,4 +192,23 @@ def _envs(cfg: NightlyConfig) -> list[str]:
             validate_key(f"envs/family/{cfg.envs.version}/tasks.parquet")
         except ValueError:
             problems.append(f"envs.version {cfg.envs.version!r}: not usable in a store key (no '.', '..' or NUL)")
+    return problems
+
+
+def _sources(cfg: NightlyConfig) -> list[str]:
+    """Each task source can be read and imports at least one good task (bad lines are the run's
+    to quarantine; a file with no good line is a problem now)."""
+    from envs.sources import SourceError, parse_source, read_source
+
+    problems = []
+    for source in cfg.envs.sources:
+        try:
+            if source.startswith("s3://"):
+                if not source.startswith(cfg.store.uri.rstrip("/") + "/"):
+                    problems.append(f"envs.sources: task source {source!r}: an s3:// source must lie in the run's "
+                                    f"store ({cfg.store.uri})")
+                continue
+            parse_source(source, read_source(source))
+        except SourceError as e:
+            problems.append(f"envs.sources: {e}")
     return problems

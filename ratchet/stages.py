@@ -9,20 +9,24 @@ from __future__ import annotations
 
 import polars as pl
 
-from envs.registry import get_family
+from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
+from ratchet.data.schemas import FEEDBACK
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.train.batching import TrainSample
-from ratchet.verify import verify_many
+from ratchet.verify import passed, verify_many
 
 
 def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
-    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum) x `group_size`.
-    The tasks and the samples are a function of (weights, train.seed, step) alone, so a wave redone
-    after a resume from the same checkpoint draws the same completions."""
-    family = get_family(tasks[0].family)
-    specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, family.curriculum, cfg.train.seed)
+    """Sample one wave: `prompts_per_wave` tasks (by the family curriculum; an imported set's: by
+    declared difficulty) x `group_size`. The tasks and the samples are a function of (weights,
+    train.seed, step) alone, so a wave redone after a resume from the same checkpoint draws the same
+    completions. No tasks (an imported set that is all held out): no rows."""
+    if not tasks:
+        return wave_frame(run_id, step, version, [], [], cfg.rollout.group_size)
+    curriculum = curriculum_for(tasks[0].family)
+    specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, curriculum, cfg.train.seed)
     rollouts = engine.generate(
         [s.prompt for s in specs], n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
         temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size,
@@ -37,14 +41,17 @@ def wave_seed(seed: int, step: int) -> int:
 
 
 def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:
-    """Fill `metrics`, `env_error`, `env_error_kind` by running every completion in the sandbox."""
+    """Fill `metrics`, `env_error`, `env_error_kind` and `feedback` (what the sandbox said: output
+    tails, failed tests; `ratchet trace` shows it) by running every completion in the sandbox."""
     items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
-    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries)
+    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries,
+                          feedback_bytes=cfg.verify.feedback_bytes)
     metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
     return frame.with_columns(
         metrics,
         pl.Series("env_error", [r.env_error for r in results], dtype=pl.Boolean),
         pl.Series("env_error_kind", [r.env_error_kind for r in results], dtype=pl.String),
+        pl.Series("feedback", [r.feedback for r in results], dtype=FEEDBACK),
     )
 
 
@@ -63,6 +70,29 @@ def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     groups = frame["group_id"].n_unique()
     return {"groups": groups, "groups_env_error": groups - complete["group_id"].n_unique(),
             "groups_zero_variance": int(equal or 0)}
+
+
+def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
+    """A scored wave's figures, as the health monitors (`ratchet.monitor`) read them: `group_stats`,
+    and reward mean/std and pass rate over the verified rows, `zero_variance_frac` (of the whole
+    groups), `env_error_rate` (of all rows), `completion_tokens_mean`, and `sampled_entropy`: the
+    sampling policy's entropy in nats per token, estimated over every completion token of the wave
+    as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward pass)."""
+    stats = group_stats(frame, cfg)
+    verified = frame.filter(~pl.col("env_error"))
+    judged = stats["groups"] - stats["groups_env_error"]
+    logprobs = frame["behavior_logprobs"].explode().drop_nulls()
+    stats.update(
+        reward_mean=float(frame["reward"].mean() or 0.0),
+        reward_std=float(verified["reward"].std() or 0.0),
+        pass_rate=sum(passed(m) for m in verified["metrics"]) / verified.height if verified.height else 0.0,
+        zero_variance_frac=stats["groups_zero_variance"] / judged if judged else 0.0,
+        env_error_rate=float(frame["env_error"].mean() or 0.0),
+        completion_tokens_mean=float(frame["completion_tokens"].mean() or 0.0),
+    )
+    if logprobs.len():
+        stats["sampled_entropy"] = -float(logprobs.mean())
+    return stats
 
 
 def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:

@@ -8,6 +8,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from envs.snapshot import load_specs
+from envs.sources import interleave
 from ratchet.config import NightlyConfig
 from ratchet.eval import evaluate as evaluate_policy
 from ratchet.eval import should_promote
@@ -22,7 +23,7 @@ INCUMBENT = "models/promoted/INCUMBENT"
 
 
 def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
-    specs = [s for r in heldout for s in load_specs(r)][: cfg.eval.n_tasks]
+    specs = interleave([load_specs(r) for r in heldout])[: cfg.eval.n_tasks]   # every family / source gets its share
     return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size,
                            samples=cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.train.seed)
 

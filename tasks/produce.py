@@ -1,6 +1,8 @@
-"""Prefect task of layer 1: produce a family's environments (generate, dedup, decontaminate).
+"""Prefect tasks of layer 1: produce a family's environments (generate, dedup, decontaminate),
+or import a task set named in `EnvsConfig.sources` (envs/sources.py) as a snapshot of the same kind.
 
     snapshot = produce_envs("python_functions", EnvsConfig(), StoreConfig())
+    snapshot = import_envs("data/mytasks.jsonl", EnvsConfig(), StoreConfig())   # family "imported-mytasks"
 
 Store keys: see envs/snapshot.py (envs/<family>/<version>/tasks.parquet, heldout.parquet, lineage.json).
 """
@@ -13,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envs.production import produce
 from envs.snapshot import save_production
+from envs.sources import import_source, read_source, save_source
 from ratchet.config import EnvsConfig, StoreConfig
 from ratchet.store import Ref, open_store
 from tasks.retry import transient_only
@@ -25,6 +28,8 @@ class EnvSnapshot(BaseModel):
     train: Ref
     heldout: Ref
     lineage: Ref
+    imported: dict | None = Field(None, description="An imported task set: its source, name, version, counts (lines "
+                                  "ok / bad, duplicates, contaminated, kept) and bad_lines (URI or None). None: a family.")
 
 
 @task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -35,3 +40,22 @@ def produce_envs(family: str, cfg: EnvsConfig, store: StoreConfig) -> EnvSnapsho
     refs = save_production(open_store(store), prod)
     get_run_logger().info("%s %s: %s", family, prod.version, prod.lineage["counts"])
     return EnvSnapshot(family=family, version=prod.version, **refs)
+
+
+@task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
+def import_envs(source: str, cfg: EnvsConfig, store: StoreConfig) -> EnvSnapshot:
+    """Import one task file as a snapshot (dedup, split, decontaminated), its bad lines saved beside
+    it; the flow then audits, trains on and evaluates it as it does a family's snapshot."""
+    st = open_store(store)
+    imp = import_source(source, read_source(source, store.uri), cfg)
+    refs = save_source(st, imp)
+    bad = refs.pop("bad_lines")
+    counts = imp.production.lineage["counts"]
+    logger = get_run_logger()
+    logger.info("%s %s from %s: %s", imp.name, imp.production.version, source, counts)
+    if imp.bad:
+        logger.warning("%s: %d bad line(s) quarantined in %s; first: %s", source, len(imp.bad), bad.uri,
+                       imp.bad[0].messages()[0])
+    return EnvSnapshot(family=imp.name, version=imp.production.version, **refs, imported={
+        "source": source, "name": imp.name, "version": imp.production.version, "counts": counts,
+        "bad_lines": bad.uri if bad else None})

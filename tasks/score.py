@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from envs.snapshot import load_specs
-from ratchet import stages
+from ratchet import stages, trace
 from ratchet.config import NightlyConfig
 from ratchet.reward import score_frame
 from ratchet.store import Ref, open_store
@@ -19,9 +19,8 @@ def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, di
     are the training stage's: they are computed once, by the trainer, and stored there)."""
     specs = {s.task_id: s for r in train for s in load_specs(r)}
     store = open_store(cfg.store)
+    store.put_json(wave.sibling(trace.SCORING), trace.scoring_record(train, cfg))   # what `ratchet trace replay` needs
     frame = stages.verify_frame(store.read_table(wave), specs, cfg)
     frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward)
-    stats = stages.group_stats(frame, cfg)
-    stats.update(reward_mean=float(frame["reward"].mean() or 0.0),
-                 env_error_rate=float(frame["env_error"].mean() or 0.0))
+    stats = stages.wave_stats(frame, cfg)      # what ratchet.monitor's health checks read
     return store.write_table(wave.sibling("scored.parquet"), frame), stats

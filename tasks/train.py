@@ -50,13 +50,19 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
     """One RL epoch on a gated wave; returns the next policy version and the train metrics.
     The advantages are computed here, once, stored beside the wave (`trained.parquet`), and
-    exactly those are trained on."""
+    exactly those are trained on. An epoch that fails part-way drops the session: its retry starts
+    from the checkpoint of `policy.version` if there is one, else stops with `StaleSession` and the
+    run resumes from LATEST, redoing those waves identically (never a wave's steps applied twice)."""
     session = sessions.open_session(policy, cfg)
     store = open_store(cfg.store)
     frame = store.read_table(wave)
     samples = session.trainer.assign_advantages(stages.train_samples(frame, session.engine.encode_prompts, cfg))
     store.write_table(wave.sibling("trained.parquet"), stages.with_advantages(frame, samples))
-    metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
+    try:
+        metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
+    except BaseException:
+        sessions.discard(policy.run_id)   # half-updated: a retry restores the last good state, never reuses these
+        raise
     session.version += 1
     session.consumed_waves.append(int(frame["step"][0]))
     return session.ref(policy.checkpoint, policy.checkpoint_version), metrics

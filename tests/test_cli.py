@@ -31,6 +31,7 @@ def test_run_prints_one_json_object_last(tmp_path):
         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 200, "sft_steps": 10, "sft_batch": 8},
         "rollout": {"prompts_per_wave": 4, "group_size": 2, "max_new_tokens": 12},
         "gate": {"max_zero_variance_frac": 1.0},
+        "monitor": {"max_zero_variance_frac": None},
         "eval": {"n_tasks": 8},
     }
     (tmp_path / "tiny.json").write_text(json.dumps(config))

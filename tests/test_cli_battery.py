@@ -2,7 +2,8 @@
 
     /work/main/.venv/bin/python -m pytest tests/test_cli_battery.py -q
 
-Each case feeds one command (run, verify, envs import, gate check, sandbox run, sandbox doctor)
+Each case feeds one command (run, verify, envs import, gate check, sandbox run, sandbox doctor,
+trace show, trace replay)
 a malformed file, a wrong type, a missing path, a directory, a binary file, a hostile run id or
 a bad store URI through typer's CliRunner, and checks: no traceback (nor a rich error box),
 stderr ends in `error: ...` naming the problem, exit 2 for bad input (1 for a check that ran
@@ -27,6 +28,7 @@ from typer.testing import CliRunner
 
 from ratchet.cli import app
 from ratchet.store import open_store
+from tests.data.waves import clean_wave
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -76,10 +78,14 @@ def files(tmp_path) -> dict[str, str]:
     (d / "latin1").write_bytes(b'print("caf\xe9")\n')
     pl.DataFrame({"x": [1, 2]}).write_parquet(d / "unrelated.parquet")
     pl.DataFrame({"reward": [1.0]}).write_parquet(d / "reward_only.parquet")
+    (d / "all_bad.jsonl").write_text(texts["tasks_all_bad"])
+    (d / "good.jsonl").write_text(texts["tasks"])
+    out.update(all_bad_jsonl=str(d / "all_bad.jsonl"), good_jsonl=str(d / "good.jsonl"))
     out.update(binary=str(d / "binary"), latin1=str(d / "latin1"), dir=str(d), missing=str(d / "missing"),
                unrelated=str(d / "unrelated.parquet"), reward_only=str(d / "reward_only.parquet"))
     store = open_store(str(tmp_path / "store"))
     store.put_json("runs/existing/summary.json", {"kept": True})
+    store.write_table("runs/existing/waves/000000/scored.parquet", clean_wave(groups=1))   # no scoring record
     out["store"] = str(tmp_path / "store")
     return out
 
@@ -147,6 +153,11 @@ CASES = [
     ("run-model-not-hf", "run --config {config_not_hf}", 2, "no config.json"),
     ("run-unknown-family", "run --config {config_family}", 2, "unknown environment family"),
     ("run-heads", "run --config {config_heads}", 2, "model.num_heads"),
+    ("run-tasks-missing", "run --tasks {missing}.jsonl", 2, "no such file"),
+    ("run-tasks-not-jsonl", "run --tasks {tasks}", 2, "expected a .jsonl.gz, .jsonl, .parquet file"),
+    ("run-tasks-no-good-line", "run --tasks {all_bad_jsonl}", 2, "no good task line (2 bad; first: "),
+    ("run-tasks-a-directory", "run --tasks {dir}/", 2, "expected a .jsonl.gz"),
+    ("run-tasks-same-name", "run --tasks {good_jsonl} --tasks {dir}/../good.jsonl", 2, "would both be named"),
     # ratchet verify
     ("verify-tasks-missing", "verify --tasks {missing} --completions {comp_no_completion}", 2, "no such tasks file"),
     ("verify-completions-missing", "verify --tasks {tasks} --completions {missing}", 2, "no such completions file"),
@@ -204,6 +215,23 @@ CASES = [
     ("serve-model-not-hf", "serve --model {dir}", 2, "no config.json"),
     ("serve-model-a-file", "serve --model {tasks}", 2, "is a file"),
     ("serve-bad-port", "serve --model {dir} --port 70000", 2, "'--port'"),
+    # ratchet trace show / replay: a run, wave or task that is not there; a run id or store that cannot be
+    ("trace-unknown-run", "trace show nope --step 0 --store {store}", 2, "no run 'nope' in the store"),
+    ("trace-unknown-step", "trace show existing --step 4 --store {store}", 2, "run 'existing' has no wave 4; its waves: 0"),
+    ("trace-unknown-task", "trace show existing --step 0 --task zz --store {store}", 2,
+     "task 'zz' is not in wave 0 of run 'existing'; its tasks: task0"),
+    ("trace-negative-step", "trace show existing --step -1 --store {store}", 2, "'--step'"),
+    ("trace-no-step", "trace show existing --store {store}", 2, "Missing option '--step'"),
+    ("trace-bad-run-id", "trace show ../evil --step 0 --store {store}", 2, "run_id '../evil'"),
+    ("trace-store-missing", "trace show existing --step 0 --store {missing}", 2, "no store here"),
+    ("trace-store-ftp", "trace show existing --step 0 --store ftp://x/y", 2, "unsupported scheme 'ftp'"),
+    ("trace-replay-no-task", "trace replay existing --step 0 --store {store}", 2, "Missing option '--task'"),
+    ("trace-replay-unknown-run", "trace replay nope --step 0 --task t --store {store}", 2, "no run 'nope'"),
+    ("trace-replay-unknown-task", "trace replay existing --step 0 --task zz --store {store}", 2, "task 'zz' is not in wave 0"),
+    ("trace-replay-no-record", "trace replay existing --step 0 --task task0 --store {store}", 2,
+     "wave 0 of run 'existing' has no scoring record"),
+    ("trace-replay-bad-tolerance", "trace replay existing --step 0 --task task0 --tolerance -1 --store {store}", 2,
+     "'--tolerance'"),
 ]
 
 
@@ -226,6 +254,17 @@ def test_good_settings_reach_the_flow(files, no_flow):
     assert res.exit_code == 0, res.output
     assert [c.run_id for c in no_flow] == ["ok-1.a_b"]
     assert json.loads(res.stdout.strip().splitlines()[-1])["run_id"] == "ok-1.a_b"
+
+
+def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
+    """`--tasks` (repeatable) adds to the config's envs.sources, relative paths made absolute."""
+    cfg = Path(files["dir"]) / "with_source.json"
+    cfg.write_text(json.dumps({"envs": {"sources": [files["good_jsonl"]]}}))
+    (Path(files["dir"]) / "second.jsonl").write_text(_jsonl(TASK))
+    monkeypatch.chdir(files["dir"])
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--tasks", "second.jsonl", "--store", files["store"]])
+    assert res.exit_code == 0, res.output
+    assert no_flow[0].envs.sources == (files["good_jsonl"], str(Path(files["dir"]) / "second.jsonl"))
 
 
 def test_every_problem_is_reported_at_once(files, no_flow):

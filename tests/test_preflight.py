@@ -10,7 +10,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from ratchet.config import ModelConfig, NightlyConfig, StoreConfig
+from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig, StoreConfig
 from ratchet.preflight import SettingsError, check, check_run_id, check_store, require
 
 
@@ -92,3 +92,17 @@ def test_s3_without_endpoint_or_credentials(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     problems = check_store("s3://bucket/prefix")
     assert len(problems) == 2 and "RATCHET_S3_ENDPOINT" in problems[0] and "AWS_ACCESS_KEY_ID" in problems[1]
+
+
+def test_task_sources(tmp_path):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps({"task_id": "t1", "prompt": "p", "execution_steps": [
+        {"action": "check_calls", "entry_point": "f"}], "tests": [{"args": "[1]", "expected": "2"}]}) + "\nnot json\n")
+    bad.write_text("not json\n")
+    store = StoreConfig(uri=str(tmp_path / "store"))
+    assert check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(good),)))) == []   # a bad line: the run's to quarantine
+    problems = check(NightlyConfig(store=store, envs=EnvsConfig(sources=(
+        str(bad), str(tmp_path / "gone.jsonl"), "s3://elsewhere/x.jsonl"))))
+    assert [p.split(": ", 1)[0] for p in problems] == ["envs.sources"] * 3
+    assert "no good task line (1 bad; first: " in problems[0] and f"{bad}:1: field '(json)'" in problems[0]
+    assert "no such file" in problems[1] and "must lie in the run's store" in problems[2]

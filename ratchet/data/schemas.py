@@ -5,8 +5,8 @@ Two tables cross stage boundaries as Parquet in the store:
 - the task table (`envs/<family>/<version>/tasks.parquet`, `audit.parquet`): one row per
   task spec, the full spec as JSON in `spec_json`, audit verdicts once audited;
 - the trajectory table (`runs/<run_id>/waves/<step>/trajectories.parquet`): one row per
-  sampled attempt (DESIGN.md, "Trajectory row"), metrics from verification, reward and
-  advantages once trained on.
+  sampled attempt (DESIGN.md, "Trajectory row"), metrics and feedback from verification,
+  reward and advantages once trained on.
 
     frame = trajectories_frame(rows)            # list[dict] -> typed frame, or one clear error
     frame = conform(pl.read_parquet(p), TRAJECTORY_SCHEMA)
@@ -83,6 +83,20 @@ METRICS = pl.Struct(
     }
 )
 
+FAILED_TEST = pl.Struct({"name": pl.String, "detail": pl.String})
+
+FEEDBACK = pl.Struct(
+    {
+        "exit_code": pl.Int32,            # null: the process never exited on its own (killed, not started)
+        "killed_by": pl.String,           # the sandbox limit that ended it ("wall", "memory", ...), or null
+        "timed_out": pl.Boolean,
+        "stdout_tail": pl.String,         # last VerifyConfig.feedback_bytes of stdout (harness result lines left out)
+        "stderr_tail": pl.String,         # likewise of stderr (or the sandbox's own error)
+        "failed_tests": pl.List(FAILED_TEST),  # pytest FAILED/ERROR lines, failed hidden calls, a failed script
+    }
+)
+"""What the sandbox said about a row's run (ratchet.verify.verifier.feedback_from), for `ratchet trace`."""
+
 TRAJECTORY_SCHEMA = pl.Schema(
     {
         "run_id": pl.String,
@@ -104,16 +118,18 @@ TRAJECTORY_SCHEMA = pl.Schema(
         "reward": pl.Float64,             # null until scored
         "env_error": pl.Boolean,          # infrastructure failure: excluded, never scored as the model's
         "env_error_kind": pl.String,
+        "feedback": FEEDBACK,             # null until verified, and for rows that were not run (empty completion)
         "advantage": pl.Float64,          # set by the training stage on the rows it trains on (group estimators)
         "token_advantages": pl.List(pl.Float64),  # [completion_tokens], likewise, for GAE
     }
 )
 
-TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "metrics", "reward", "env_error_kind", "advantage",
-                                 "token_advantages"})
+TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "metrics", "reward", "env_error_kind", "feedback",
+                                 "advantage", "token_advantages"})
 """Columns that may be null (or absent from the row dicts); all others are required."""
 
-_STRUCT_FIELDS = {"metrics": set(METRICS.to_schema()), "turns": {"role", "content"}}
+_STRUCT_FIELDS = {"metrics": set(METRICS.to_schema()), "turns": {"role", "content"},
+                  "feedback": set(FEEDBACK.to_schema())}
 
 
 def trajectories_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:

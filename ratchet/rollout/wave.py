@@ -19,7 +19,8 @@ from ratchet.rollout.torch_engine import Rollout
 
 def pick_tasks(tasks: Sequence[TaskSpec], n: int, step: int, total: int,
                curriculum: Callable[[int, int, int], list[float]] | None, seed: int) -> list[TaskSpec]:
-    """`n` distinct tasks for wave `step`, difficulties weighted by the family's curriculum."""
+    """`n` distinct tasks for wave `step`, difficulties weighted by the family's curriculum
+    (`envs.sources.curriculum_for`: an imported set's weighs its declared difficulties)."""
     rng = random.Random(f"wave:{seed}:{step}")
     if curriculum is None or len(tasks) <= n:
         return rng.sample(list(tasks), min(n, len(tasks)))

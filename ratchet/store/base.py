@@ -24,6 +24,8 @@ from typing import Any, BinaryIO, Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ratchet import faults
+
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "ratchet-manifest/1"
 POINTER_FORMAT = "ratchet-pointer/1"
@@ -169,9 +171,10 @@ class ArtifactStore(ABC):
         """Stat an existing object (FileNotFoundError if absent)."""
         key = validate_key(key)
         meta = self._meta(key)
-        if meta is None:  # written by something other than ratchet: hash it now
+        if meta is None or meta.get("replaces"):  # not written by ratchet, or an overwrite: hash what is there
             h, size = self._hash_stream(key)
-            return self._make_ref(key, h, size)
+            if meta is None or h != meta["sha256"]:
+                return self._make_ref(key, h, size)
         return self._make_ref(key, meta["sha256"], int(meta["size"]), meta.get("rows"))
 
     def _hash_stream(self, key: str) -> tuple[str, int]:
@@ -183,12 +186,18 @@ class ArtifactStore(ABC):
                 size += len(chunk)
         return h.hexdigest(), size
 
-    @staticmethod
-    def _expected(from_ref: str | None, meta: dict[str, Any] | None) -> str | None:
-        """The sha256 to verify against: the Ref's if given, else the one stored with the object."""
+    def _verify(self, key: str, from_ref: str | None, meta: dict[str, Any] | None, actual: str) -> None:
+        """Raise IntegrityError unless `actual` is the Ref's sha256 (if given), else one the stored
+        metadata vouches for: the object's, or the one it `replaces` (a local overwrite interrupted
+        between its two renames leaves the previous bytes under the new metadata: still whole)."""
         if from_ref is not None:
-            return from_ref
-        return meta["sha256"] if meta else None
+            accepted: tuple[str, ...] = (from_ref,)
+        elif meta:
+            accepted = tuple(s for s in (meta["sha256"], meta.get("replaces")) if s)
+        else:
+            return
+        if actual not in accepted:
+            raise self._mismatch(key, accepted[0], actual, meta)
 
     def _mismatch(self, key: str, expected: str, actual: str, meta: dict[str, Any] | None) -> IntegrityError:
         hint = ("the object was overwritten after this Ref was made"
@@ -210,10 +219,7 @@ class ArtifactStore(ABC):
         with f:
             data = f.read()
         if verify:
-            expected = self._expected(expected, meta)
-            actual = hashlib.sha256(data).hexdigest()
-            if expected is not None and actual != expected:
-                raise self._mismatch(key, expected, actual, meta)
+            self._verify(key, expected, meta, hashlib.sha256(data).hexdigest())
         return data
 
     def put_file(self, key: str, path: str | Path) -> Ref:
@@ -236,9 +242,7 @@ class ArtifactStore(ABC):
                     h.update(chunk)
                     out.write(chunk)
             if verify:
-                expected = self._expected(expected, meta)
-                if expected is not None and h.hexdigest() != expected:
-                    raise self._mismatch(key, expected, h.hexdigest(), meta)
+                self._verify(key, expected, meta, h.hexdigest())
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
@@ -284,6 +288,8 @@ class ArtifactStore(ABC):
             rel = path.relative_to(root).as_posix()
             if rel == MANIFEST:
                 raise ValueError(f"put_dir: {path} would clash with the manifest written at {prefix}/{MANIFEST}")
+            if files:
+                faults.point("store.put_dir")
             ref = self.put_file(f"{prefix}/{rel}", path)
             files[rel] = {"sha256": ref.sha256, "size": ref.size}
         return self.put_json(f"{prefix}/{MANIFEST}", {"format": MANIFEST_FORMAT, "files": files})

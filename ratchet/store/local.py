@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-from ratchet.store.base import RESERVED, ArtifactStore
+from ratchet import faults
+from ratchet.store.base import RESERVED, ArtifactStore, sha256_file
 
 
 class LocalStore(ArtifactStore):
@@ -65,12 +66,17 @@ class LocalStore(ArtifactStore):
                 shutil.copyfile(data, tmp_data)
             else:
                 tmp_data.write_bytes(data)
-            tmp_meta.write_text(json.dumps({"sha256": sha256, "size": size, "rows": rows}))
             dest.parent.mkdir(parents=True, exist_ok=True)
             meta.parent.mkdir(parents=True, exist_ok=True)
+            faults.point("store.write")
             with self._locked(key, exclusive=True):
-                os.replace(tmp_data, dest)
+                # The metadata goes first and vouches for the bytes it replaces too, so a crash
+                # between the two renames leaves the old object whole and readable, never "corrupt".
+                replaces = sha256_file(dest)[0] if dest.is_file() else None
+                tmp_meta.write_text(json.dumps({"sha256": sha256, "size": size, "rows": rows, "replaces": replaces}))
                 os.replace(tmp_meta, meta)
+                faults.point("store.write.between")
+                os.replace(tmp_data, dest)
         finally:
             tmp_data.unlink(missing_ok=True)
             tmp_meta.unlink(missing_ok=True)

@@ -218,6 +218,11 @@ class Trainer(ABC):
                 n_updates += 1
         self.module.eval()
         out = {k: v / max(n_updates, 1) for k, v in totals.items()}
+        # not measured is not 0: `kl` only with a reference in the loss, `entropy` only with its bonus on
+        if self.ref_model is None or self.rl.kl_in_reward:
+            out.pop("kl", None)
+        if self.rl.entropy_coef == 0:
+            out.pop("entropy", None)
         out.update(optimizer_steps=n_updates, train_samples=len(samples))
         return out
 

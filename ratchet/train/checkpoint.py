@@ -26,6 +26,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from ratchet import faults
 from ratchet.store import MANIFEST, ArtifactStore, IntegrityError, Ref
 from ratchet.scratch import scratch_dir
 
@@ -135,6 +136,7 @@ def save_checkpoint(store: ArtifactStore, run_id: str, version: int, write_files
     _refuse_if_behind(store, run_id, version)  # LATEST may have moved during a long upload
     if lease is not None:
         lease.heartbeat()
+    faults.point("checkpoint.latest")
     store.set_pointer(latest_key(run_id), ref)
     return ref
 

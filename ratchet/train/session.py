@@ -93,6 +93,12 @@ def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     return session
 
 
+def discard(run_id: str) -> None:
+    """Forget this process's session of `run_id` (its weights may be half-updated)."""
+    with _LOCK:
+        _SESSIONS.pop(run_id, None)
+
+
 def open_session(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     """The live session at `policy.version`, restoring from the checkpoint if needed."""
     with _LOCK:

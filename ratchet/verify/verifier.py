@@ -23,6 +23,12 @@ Two kinds of task:
   become tests_passed/tests_total; any other line passes (1 of 1) when it exits 0. A runtime
   that lacks a program or pytest the line needs is an env_error, decided before the run.
 
+Feedback: each run's `Verification.feedback` keeps what a person needs to read a verdict: the
+exit code, which limit ended it, the tails of stdout and stderr (`feedback_bytes` each; the
+harness's result lines are left out of stdout), and the failed tests (pytest's FAILED/ERROR
+lines with their message; for check_calls each failed hidden call's args, expected and got;
+for a script the last line of stderr). `ratchet trace` shows it; it never reaches the model.
+
 Hacking guards here: hidden tests are placed after the completion's files and read-only;
 call results are compared outside the sandbox; visible-only success is flagged
 (`ratchet.verify.guards`); an empty completion is not run and scores nothing.
@@ -31,9 +37,11 @@ call results are compared outside the sandbox; visible-only success is flagged
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,11 +51,15 @@ from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytes
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
+from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
 from ratchet.sandbox.host import host_python
 from ratchet.sandbox.model import DEFAULT_PATH
-from ratchet.sandbox.harness import call_harness, parse_harness_output
 
 RuntimePython = Callable[[EnvironmentConfig], str]
+FEEDBACK_BYTES = 2048
+"""Default bytes kept of a run's stdout and of its stderr (their tails) in `Verification.feedback`."""
+MAX_FAILED_TESTS = 20
+"""Failed tests listed in the feedback (the first ones)."""
 
 
 @dataclass
@@ -55,6 +67,8 @@ class Verification:
     metrics: dict = field(default_factory=dict)
     env_error: bool = False
     env_error_kind: str | None = None
+    feedback: dict | None = None
+    """The FEEDBACK struct (ratchet.data.schemas) of the sandbox run; None when nothing ran."""
 
     @property
     def passed(self) -> bool:
@@ -262,6 +276,65 @@ def metrics_from(spec: TaskSpec, completion: str, res: RunResult, p: Plan | None
     }
 
 
+def tail(text: str, limit: int) -> str:
+    """The last `limit` bytes of `text` (cut at a character boundary), marked when something was cut."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return f"[... {len(data) - limit} bytes cut]\n" + data[len(data) - limit:].decode("utf-8", "ignore")
+
+
+_PYTEST_FAILED = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$")
+
+
+def _short(text: str, n: int = 300) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def failed_tests(p: Plan, res: RunResult) -> list[dict]:
+    """The failed hidden tests of one run, [{"name", "detail"}], at most MAX_FAILED_TESTS."""
+    out: list[dict] = []
+    if p.kind == "calls":
+        got = parse_harness_output(res.stdout, n=len(p.hidden) + len(p.visible))
+        raised = _raised_calls(res.stdout)
+        for i, (g, t) in enumerate(zip(got, p.hidden)):
+            if not same(g, t.expected, p.tolerance):
+                shown = g if g is not None else raised.get(i, "no result (the call never ran)")
+                out.append({"name": f"call {i}", "detail": _short(f"args {t.args}: expected {t.expected}, got {shown}")})
+    elif p.kind == "pytest" or (p.command is not None and p.command.pytest):
+        for line in res.stdout.splitlines():
+            m = _PYTEST_FAILED.match(line.strip())
+            if m:
+                out.append({"name": m.group(2), "detail": _short(f"{m.group(1)}" + (f": {m.group(3)}" if m.group(3) else ""))})
+    elif res.exit_code != 0 or res.killed_by:
+        last = next((ln.strip() for ln in reversed(res.stderr.splitlines()) if ln.strip()), "")
+        why = f"killed by the {res.killed_by} limit" if res.killed_by else f"exit {res.exit_code}"
+        out.append({"name": p.command.line if p.command else " ".join(p.payload.argv), "detail": _short(f"{why}" + (f": {last}" if last else ""))})
+    return out[:MAX_FAILED_TESTS]
+
+
+def _raised_calls(stdout: str) -> dict[int, str]:
+    """{call index: "raised NameOfException"} from the harness's "!Exception" result lines."""
+    out = {}
+    for line in stdout.splitlines():
+        parts = line.split("\t", 2)
+        if len(parts) == 3 and parts[0] == MARK and parts[2].startswith("!") and parts[1].isdigit():
+            out[int(parts[1])] = "raised " + parts[2][1:]
+    return out
+
+
+def feedback_from(p: Plan, res: RunResult, limit: int = FEEDBACK_BYTES) -> dict:
+    """The FEEDBACK struct (ratchet.data.schemas) of one run: what a person reads to see why."""
+    stdout = res.stdout
+    if p.kind == "calls":       # the result lines are in failed_tests; keep what the completion printed
+        stdout = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith(MARK + "\t"))
+    elif p.report:              # the report file's encoded copy is not output anyone wrote
+        stdout = split_report(stdout)[0]
+    return {"exit_code": res.exit_code, "killed_by": res.killed_by, "timed_out": res.timed_out,
+            "stdout_tail": tail(stdout, limit), "stderr_tail": tail(res.stderr or res.infra_error or "", limit),
+            "failed_tests": failed_tests(p, res) if res.infra_error is None else []}
+
+
 def empty_metrics(spec: TaskSpec) -> dict:
     """Metrics of an empty completion, which is not run: nothing passed, nothing well-formed."""
     return {"test_pass_rate": 0.0, "tests_passed": 0, "tests_total": len(spec.tests), "syntax_ok": False,
@@ -301,27 +374,35 @@ def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | Non
     return results
 
 
-def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult) -> Verification:
+def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult, feedback_bytes: int) -> Verification:
+    feedback = feedback_from(p, res, feedback_bytes)
     if res.infra_error is not None:
-        return _env_error("sandbox", res.infra_error)
-    return Verification(metrics=metrics_from(spec, completion, res, p))
+        return dataclasses.replace(_env_error("sandbox", res.infra_error), feedback=feedback)
+    return Verification(metrics=metrics_from(spec, completion, res, p), feedback=feedback)
 
 
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
-                runtime_python: RuntimePython | None = resolve) -> list[Verification]:
+                runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES) -> list[Verification]:
     """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
     `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
     a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
-    for run_command tasks; check_calls tasks without dependencies always use the fast isolated one)."""
+    for run_command tasks; check_calls tasks without dependencies always use the fast isolated one).
+    `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`)."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
     todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
     plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
     results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
-    done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k]) for k, v in todo.items()}
-    return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind) for k in keys]
+    done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k], feedback_bytes)
+            for k, v in todo.items()}
+    return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind, _copy(done[k].feedback))
+            for k in keys]
+
+
+def _copy(feedback: dict | None) -> dict | None:
+    return None if feedback is None else {**feedback, "failed_tests": [dict(t) for t in feedback["failed_tests"]]}
 
 
 def _cached(resolve: RuntimePython) -> RuntimePython:

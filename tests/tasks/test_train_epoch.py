@@ -79,3 +79,50 @@ def test_stored_advantage_is_the_trained_one(tmp_path, monkeypatch, rl):
         plain = trained.filter(pl.col("group_id") == "0:2").sort("sample_idx")["advantage"].to_list()
         g = torch.tensor([1.0, 0.0, 0.5, 0.0])
         assert plain != pytest.approx(((g - g.mean()) / (g.std() + 1e-6)).tolist(), abs=1e-4)
+
+
+def test_a_failed_epoch_is_retried_from_the_last_good_state(tmp_path, monkeypatch):
+    """A transient error after the first optimizer step of an epoch: the weights in memory are
+    half-updated. The retry must not train on them: it restores version 0 from its checkpoint and
+    ends bit-identical to an epoch that never failed."""
+    from ratchet.errors import TransientError
+    from ratchet.train import session as sessions
+
+    cfg, policy, wave, _ = _setup(tmp_path, RLConfig())
+    clean, _ = train_epoch.fn(policy, wave, cfg)
+    expected = {k: v.clone() for k, v in sessions.open_session(clean, cfg).model.state_dict().items()}
+    sessions.discard("r")
+
+    from ratchet.train.torch_trainer import TorchTrainer
+
+    real, calls = TorchTrainer._optimizer_step, []
+
+    def flaky(self, lr):
+        calls.append(lr)
+        out = real(self, lr)
+        if len(calls) == 1:
+            raise TransientError("store blinked mid-epoch")
+        return out
+
+    monkeypatch.setattr(TorchTrainer, "_optimizer_step", flaky)
+    with pytest.raises(TransientError):
+        train_epoch.fn(policy, wave, cfg)
+    retried, _ = train_epoch.fn(policy, wave, cfg)                  # what Prefect's retry does
+    got = sessions.open_session(retried, cfg).model.state_dict()
+    assert retried.version == 1 and all(torch.equal(got[k], expected[k]) for k in expected)
+    sessions.discard("r")
+
+
+def test_a_failed_epoch_past_the_checkpoint_stops_instead_of_reusing_weights(tmp_path, monkeypatch):
+    from ratchet.errors import TransientError
+    from ratchet.train import session as sessions
+
+    cfg, policy, wave, _ = _setup(tmp_path, RLConfig())
+    from ratchet.train.torch_trainer import TorchTrainer
+
+    v1, _ = train_epoch.fn(policy, wave, cfg)                       # version 1, checkpoint still v0
+    monkeypatch.setattr(TorchTrainer, "_optimizer_step", lambda self, lr: (_ for _ in ()).throw(TransientError("x")))
+    with pytest.raises(TransientError):
+        train_epoch.fn(v1, wave, cfg)
+    with pytest.raises(sessions.StaleSession, match="resume the run from its LATEST"):
+        train_epoch.fn(v1, wave, cfg)

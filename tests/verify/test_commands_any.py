@@ -95,6 +95,7 @@ def test_makefile_target(runs):
 
 def test_junit_report_file(runs):
     assert counts(runs["junit_good"]) == (3, 3) and runs["junit_good"].passed
+    assert REPORT_MARK not in runs["junit_good"].feedback["stdout_tail"]          # the report's copy is not output
     # pytest's output went to /dev/null: the counts can only have come from report.xml (f(5) == 6 fails)
     assert counts(runs["junit_quiet_half"]) == (2, 3)
     # every test passed, then the line failed (`&& false`): one more failed check, so not passed
