@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.settings import deployment_settings, require_store
 from ratchet.config import EnvsConfig, StoreConfig
 from tasks.produce import EnvSnapshot, produce_envs
 
@@ -16,6 +17,8 @@ from tasks.produce import EnvSnapshot, produce_envs
 @flow(name="produce_envs", log_prints=True)
 def produce_envs_flow(envs: EnvsConfig = EnvsConfig(), store: StoreConfig = StoreConfig()) -> list[EnvSnapshot]:
     """Generate, dedup and decontaminate every configured family; write versioned snapshots."""
+    envs, store = deployment_settings(envs=envs, store=store)
+    require_store(store)
     return [produce_envs(family, envs, store) for family in envs.families]
 
 
