@@ -17,9 +17,10 @@ not with a FileNotFoundError under a temporary directory.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
@@ -60,11 +61,19 @@ def enter_ratchet_home() -> dict[str, str]:
     """Pull step (deploy/prefect.yaml): run flows from the ratchet checkout named by RATCHET_HOME."""
     home = os.environ.get("RATCHET_HOME", "").strip()
     if not home:
-        raise SettingsError(["RATCHET_HOME is not set on this worker: set it to the ratchet checkout the "
-                             "worker runs flows from (e.g. RATCHET_HOME=/opt/ratchet; deploy/README.md, step 3)"])
+        _pull_failed("RATCHET_HOME is not set on this worker: set it to the ratchet checkout the worker "
+                     "runs flows from (e.g. RATCHET_HOME=/opt/ratchet; deploy/README.md, 'What runs where')")
     path = Path(home).expanduser()
     if not (path / "flows" / "nightly.py").is_file():
-        raise SettingsError([f"RATCHET_HOME={home!r} is not a ratchet checkout (no flows/nightly.py there): "
-                             "set it to the directory the worker runs flows from"])
+        _pull_failed(f"RATCHET_HOME={home!r} is not a ratchet checkout (no flows/nightly.py there): "
+                     "set it to the directory the worker runs flows from")
     os.chdir(path)
     return {"directory": str(path.resolve())}
+
+
+def _pull_failed(problem: str) -> NoReturn:
+    """A pull step's exception reaches only the worker's own output; the run's page in the UI
+    would say no more than "Process exited with status code: 1". Log it to the run too."""
+    if run_id := os.environ.get("PREFECT__FLOW_RUN_ID"):   # set by the worker for the flow-run process
+        logging.getLogger("prefect.flow_runs").error(problem, extra={"flow_run_id": run_id})
+    raise SettingsError([problem])

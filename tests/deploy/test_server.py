@@ -87,15 +87,47 @@ class Processes:
         return (self.logs / f"{name}.log").read_text(errors="replace")[-n:]
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():   # the whole session: a worker's flow-run processes too
+        """SIGTERM to each process's session and to every descendant (a worker's flow-run
+        processes have sessions of their own), SIGKILL to what is left after 20 s."""
+        pids = [pid for proc in self.procs.values() for pid in _descendants(proc.pid)]
+        for proc in self.procs.values():
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
+        for pid in pids:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 20
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -132,15 +164,15 @@ def stack(tmp_path, s3_env):
         for pool in POOLS:   # deploy/README.md, step 2
             subprocess.run([PREFECT, "work-pool", "create", pool, "--type", "process"], cwd=ROOT, env=env,
                            check=True, capture_output=True, timeout=120)
-        deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--all"],
-                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
-        _mark("pools created, deployments registered")
-
         worker_env = {**env, **s3_env, "RATCHET_HOME": str(ROOT),
-                      "PYTHONPATH": str(ROOT)}   # the pull step imports flows.settings from this checkout
-        for pool in POOLS:
+                      "PYTHONPATH": str(ROOT),               # the pull step imports flows.settings from this checkout
+                      "PREFECT_WORKER_QUERY_SECONDS": "2"}   # pick a run up within 2 s (default 10)
+        for pool in POOLS:   # step 4
             procs.start(f"worker-{pool}", [PREFECT, "worker", "start", "--pool", pool, "--type", "process"], worker_env)
+        deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--all"],
+                                  cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)   # step 5
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        _mark("pools created, workers started, deployments registered")
         yield api, env, procs
     finally:
         procs.stop_all()
