@@ -166,7 +166,7 @@ def stack(tmp_path, s3_env):
                            check=True, capture_output=True, timeout=120)
         worker_env = {**env, **s3_env, "RATCHET_HOME": str(ROOT),
                       "PYTHONPATH": str(ROOT),               # the pull step imports flows.settings from this checkout
-                      "PREFECT_WORKER_QUERY_SECONDS": "2"}   # pick a run up within 2 s (default 10)
+                      "PREFECT_WORKER_QUERY_SECONDS": "5"}   # pick a run up within 5 s (default 10)
         for pool in POOLS:   # step 4
             procs.start(f"worker-{pool}", [PREFECT, "worker", "start", "--pool", pool, "--type", "process"], worker_env)
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--all"],
@@ -178,10 +178,19 @@ def stack(tmp_path, s3_env):
         procs.stop_all()
 
 
-def _post(api: str, path: str, body: dict) -> dict | list:
-    r = httpx.post(f"{api}{path}", json=body, timeout=30)
-    assert r.status_code < 300, f"POST {path}: {r.status_code} {r.text[:1000]}"
+def _request(method: str, url: str, body: dict | None = None) -> dict | list:
+    """One API call, retried as Prefect's own client retries (a busy SQLite answers 503)."""
+    for attempt in range(6):
+        r = httpx.request(method, url, json=body, timeout=30)
+        if r.status_code not in (429, 502, 503) or attempt == 5:
+            break
+        time.sleep(2 ** attempt)
+    assert r.status_code < 300, f"{method} {url}: {r.status_code} {r.text[:1000]}"
     return r.json()
+
+
+def _post(api: str, path: str, body: dict) -> dict | list:
+    return _request("POST", f"{api}{path}", body)
 
 
 def _deployment(api: str, name: str) -> dict:
@@ -197,7 +206,7 @@ def _run(api: str, deployment: str, parameters: dict, procs: Processes, timeout_
         "parameters": parameters, "enforce_parameter_schema": True})
     deadline = time.monotonic() + timeout_s
     while True:
-        run = httpx.get(f"{api}/flow_runs/{run['id']}", timeout=30).json()
+        run = _request("GET", f"{api}/flow_runs/{run['id']}")
         if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             break
         assert time.monotonic() < deadline, f"{deployment} still {run['state']['type']} after {timeout_s} s"
