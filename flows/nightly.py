@@ -22,6 +22,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from envs.sources import pass_rates_by_source
+from flows.settings import deployment_settings, require_store
 from ratchet.config import NightlyConfig
 from ratchet.eval.report import vertical_table
 from ratchet.run import run_attempt
@@ -39,6 +40,8 @@ from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 @flow(name="nightly", log_prints=True, persist_result=True)
 def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     """Train on audited environments; promote the result only if it beats the incumbent."""
+    cfg, = deployment_settings(cfg=cfg)   # a partial override keeps the deployment's other settings
+    require_store(cfg.store)              # a worker without the S3 settings: one error naming them
     logger = get_run_logger()
     run_id = cfg.run_id or datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")
 

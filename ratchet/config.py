@@ -10,6 +10,7 @@ holds only overrides.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -63,13 +64,13 @@ class EnvsConfig(Frozen):
     family_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='Generator settings per family, e.g. {"python_functions": {"n_tests": 12}}; each is '
-        "validated against the family's own Config (envs/families/<name>.py). Unset: the family's defaults.",
+        "validated against the family's own Config (envs/families/{name}.py). Unset: the family's defaults.",
     )
     clean: CleanConfig = Field(default_factory=CleanConfig, description="Dedup, near-dup and contamination filters.")
     n_train: int = Field(3000, ge=1, le=1_000_000, description="Training tasks produced per family.")
     n_heldout: int = Field(300, ge=1, le=100_000, description="Held-out evaluation tasks per family.")
     seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
-    version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
+    version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version: the snapshot lives under envs/{family}/{version}/.")
     max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
     sources: tuple[str, ...] = Field(
         (), description="Imported task sets trained on beside the families: task-spec JSONL (.jsonl, .jsonl.gz) or "
@@ -139,8 +140,8 @@ class RLConfig(Frozen):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator (ratchet.rl.advantages registry)."
     )
-    clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28).")
+    clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio at least 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio at most 1 + clip_high (DAPO clip-higher: 0.28).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
         "seq_mean_token_mean",
         description="How per-token losses reduce to one number (token- vs sequence-level). token_mean lets long "
@@ -219,17 +220,17 @@ class GateConfig(Frozen):
 class EvalConfig(Frozen):
     n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated.")
     samples: int = Field(
-        1, ge=1, le=256, description="Samples per held-out task: 1 = one greedy completion (pass@1); k > 1 = k completions "
+        1, ge=1, le=256, description="Samples per held-out task: 1 = one greedy completion (pass@1); k of 2 or more = k completions "
         "at `temperature`, scored as unbiased pass@1 and pass@k, the same seed for candidate and incumbent."
     )
-    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature of evaluation when samples > 1.")
+    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature of evaluation when samples is 2 or more.")
     min_gain: float = Field(
         0.0, ge=0, le=1, description="A checkpoint is promoted only if the lower bound of the confidence interval of its "
         "held-out pass-rate gain over the incumbent (same tasks, paired) is above this (a fraction: 0.02 = 2 points)."
     )
     confidence: float = Field(
         0.95, gt=0.5, lt=1, description="Confidence of the paired test behind promotion: paired bootstrap interval over "
-        "tasks, and McNemar's exact test at p < 1 - confidence."
+        "tasks, and McNemar's exact test at p below 1 - confidence."
     )
     every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
 
@@ -278,7 +279,7 @@ class MonitorConfig(Frozen):
 
 
 class NightlyConfig(Frozen):
-    """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
+    """The nightly training cycle: produce → audit → (rollout → score → gate → train) × steps → evaluate → promote."""
 
     run_id: str | None = Field(
         None, max_length=128, pattern=RUN_ID_PATTERN,
@@ -306,3 +307,20 @@ class NightlyConfig(Frozen):
         if value is not None and ".." in value:
             raise ValueError("a run id may not contain '..'")
         return value
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` laid over `base` at every depth: a key both hold as mappings is merged, any other
+    value of `override` replaces base's (a list, a scalar, None), a key override lacks keeps base's.
+    Neither argument is modified.
+
+    Prefect lays a run's parameters over its deployment's one level deep only, so
+    `-p cfg='{"steps": 10}'` would replace the deployment's whole `cfg` (its store, its min_gain);
+    the flows merge with this instead (flows/settings.py)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
