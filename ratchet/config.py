@@ -262,7 +262,7 @@ class MonitorConfig(Frozen):
     entropy_min_ratio: float | None = Field(
         0.1, gt=0, lt=1, description="Entropy collapse: the entropy below this fraction of its baseline (empty: off).")
     max_kl: float | None = Field(
-        1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when rl.kl_coef > 0 "
+        1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when a positive rl.kl_coef "
         "puts it in the loss) above this (empty: off).")
     max_approx_kl: float | None = Field(
         0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before and after each update "
