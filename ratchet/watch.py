@@ -40,7 +40,7 @@ Progress = Callable[[int, int], None]
 
 GROUPS: tuple[tuple[str, str], ...] = (
     ("outcome", r"reward|pass_rate|pass_at"),
-    ("policy", r"kl|entropy|clip|grad_norm|loss|ratio|^lr$"),
+    ("policy", r"kl|entropy|clip|grad_norm|loss|ratio|^is_|^lr$"),
     ("speed", r"per_s|_ms$|_s$|wall"),
     ("data", r"env_error|stale|group|sample|steps|skipped|len|tokens"),
 )

@@ -41,13 +41,11 @@ def test_scalars_are_the_numeric_values_and_each_has_a_group():
     v = scalars(waves()[1])
     assert "step" not in v and "note" not in v and "promoted" not in v        # the index, text and booleans
     assert v["per_family.pf"] == 0.25 and v["staleness"] == 0.0 and v["heldout_pass_rate"] == 0.125
-    assert {n: group_of(n) for n in ("reward_mean", "pass_rate", "heldout_pass_rate", "kl", "entropy", "clip_frac",
-                                     "grad_norm", "rollout_tokens_per_s", "sandbox_p95_ms", "env_error_rate",
-                                     "staleness", "train_samples", "per_family.pf")} == {
-        "reward_mean": "outcome", "pass_rate": "outcome", "heldout_pass_rate": "outcome", "kl": "policy",
-        "entropy": "policy", "clip_frac": "policy", "grad_norm": "policy", "rollout_tokens_per_s": "speed",
-        "sandbox_p95_ms": "speed", "env_error_rate": "data", "staleness": "data", "train_samples": "data",
-        "per_family.pf": "other"}
+    expected = {"reward_mean": "outcome", "pass_rate": "outcome", "heldout_pass_rate": "outcome", "kl": "policy",
+                "entropy": "policy", "clip_frac": "policy", "grad_norm": "policy", "is_weight_mean": "policy",
+                "rollout_tokens_per_s": "speed", "sandbox_p95_ms": "speed", "env_error_rate": "data",
+                "staleness": "data", "train_samples": "data", "per_family.pf": "other"}
+    assert {n: group_of(n) for n in expected} == expected
 
 
 def _read_tensorboard(logdir) -> dict[str, list[tuple[int, float]]]:
