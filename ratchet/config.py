@@ -278,6 +278,17 @@ class MonitorConfig(Frozen):
         "learning signal) above this (empty: off).")
 
 
+class WatchConfig(Frozen):
+    every: int = Field(
+        10, ge=0, le=100_000, description="Publish the per-wave table and the curves as artifacts on the flow run's "
+        "page every N waves, and at the end (0: only at the end).")
+    tensorboard: bool = Field(
+        True, description="Write each wave's scalars as TensorBoard event files in the store, under "
+        "runs/<run_id>/tensorboard/ (`tensorboard --logdir` on it, for a local store).")
+    plots: bool = Field(
+        True, description="Draw the curves (runs/<run_id>/plots/curves.png) and show them with the table; off: the table only.")
+
+
 class NightlyConfig(Frozen):
     """The nightly training cycle: produce → audit → (rollout → score → gate → train) × steps → evaluate → promote."""
 
@@ -300,6 +311,7 @@ class NightlyConfig(Frozen):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation and promotion.")
     monitor: MonitorConfig = Field(
         default_factory=MonitorConfig, description="Health monitors: stop a run whose training goes bad, before promotion.")
+    watch: WatchConfig = Field(default_factory=WatchConfig, description="Watching a run: TensorBoard, curves, table.")
 
     @field_validator("run_id")
     @classmethod

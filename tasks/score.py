@@ -22,5 +22,5 @@ def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, di
     store.put_json(wave.sibling(trace.SCORING), trace.scoring_record(train, cfg))   # what `ratchet trace replay` needs
     frame = stages.verify_frame(store.read_table(wave), specs, cfg)
     frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward)
-    stats = stages.wave_stats(frame, cfg)      # what ratchet.monitor's health checks read
+    stats = {**stages.wave_stats(frame, cfg), **stages.sandbox_stats(frame)}   # ratchet.monitor reads the first
     return store.write_table(wave.sibling("scored.parquet"), frame), stats

@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,6 +61,8 @@ FEEDBACK_BYTES = 2048
 """Default bytes kept of a run's stdout and of its stderr (their tails) in `Verification.feedback`."""
 MAX_FAILED_TESTS = 20
 """Failed tests listed in the feedback (the first ones)."""
+PROGRESS_CHUNK = 8
+"""With a progress callback, verify_many runs 8 x concurrency items at a time between reports."""
 
 
 @dataclass
@@ -383,18 +386,24 @@ def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult, feedback_
 
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
-                runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES) -> list[Verification]:
+                runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES,
+                progress: Callable[[int, int], None] | None = None) -> list[Verification]:
     """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
     `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
     a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
     for run_command tasks; check_calls tasks without dependencies always use the fast isolated one).
-    `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`)."""
+    `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`).
+    `progress(done, total)`, if given, is called as items finish (last with done == total == len(items));
+    the runs then go in chunks of PROGRESS_CHUNK x concurrency."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
     todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
     plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
-    results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
+    if progress is not None:
+        results = _run_reporting(plans, keys, limits, concurrency, retries, progress)
+    else:
+        results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
     done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k], feedback_bytes)
             for k, v in todo.items()}
     return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind, _copy(done[k].feedback))
@@ -403,6 +412,21 @@ def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
 
 def _copy(feedback: dict | None) -> dict | None:
     return None if feedback is None else {**feedback, "failed_tests": [dict(t) for t in feedback["failed_tests"]]}
+
+
+def _run_reporting(plans: dict, keys: list, limits: Limits | None, concurrency: int | None, retries: int,
+                   progress: Callable[[int, int], None]) -> dict:
+    """`_run_with_retries` in chunks, reporting progress(done, total) over every item (duplicates too)."""
+    per_key, order, results = Counter(keys), list(plans), {}
+    finished = len(keys) - sum(per_key[k] for k in order)    # known without a run: empty completions, task errors
+    progress(finished, len(keys))
+    size = PROGRESS_CHUNK * (concurrency or 2)
+    for i in range(0, len(order), size):
+        chunk = order[i:i + size]
+        results.update(_run_with_retries({k: plans[k] for k in chunk}, limits, concurrency, retries))
+        finished += sum(per_key[k] for k in chunk)
+        progress(finished, len(keys))
+    return results
 
 
 def _cached(resolve: RuntimePython) -> RuntimePython:
