@@ -21,10 +21,9 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from envs.sources import pass_rates_by_source
 from flows.settings import deployment_settings, require_store
 from ratchet.config import NightlyConfig
-from ratchet.eval.report import vertical_table
+from ratchet.eval.report import pass_rates_by_source, vertical_table
 from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
