@@ -108,6 +108,24 @@ class EnvsConfig(Frozen):
         return get_family(family).config.model_validate(self.family_config.get(family, {}))
 
 
+class ContextPhase(Frozen):
+    """One phase of context extension for the embedded model (`ModelConfig.context_phases`)."""
+
+    seq_len: int = Field(..., ge=32, le=131072, description="The model's context in this phase: its "
+                         "max_position_embeddings, and the longest retrieval sequence trained on (in tokens).")
+    steps: int = Field(..., ge=0, le=100_000, description="SFT steps of this phase (retrieval sequences mixed with task demonstrations).")
+    batch: int = Field(8, ge=1, le=4096, description="Sequences per SFT step in this phase (longer sequences: fewer per step).")
+    rope_type: Literal["default", "linear", "dynamic", "yarn"] = Field(
+        "default", description="RoPE scaling (Hugging Face `rope_parameters`) from this phase on: default = none (positions "
+        "past the trained ones are extrapolated); linear = positions divided by `factor` (position interpolation); yarn = "
+        "YaRN over the original model.max_seq_len; dynamic = NTK scaling applied only past seq_len, at inference."
+    )
+    factor: float = Field(1.0, ge=1.0, le=64.0, description="RoPE scaling factor, usually seq_len / model.max_seq_len "
+                          "(1.0 with rope_type default).")
+    retrieval_share: float = Field(0.5, ge=0, le=1, description="Share of this phase's training sequences that are "
+                                   "needle-in-a-haystack retrieval sequences (ratchet/eval/niah.py); the rest are task demonstrations.")
+
+
 class ModelConfig(Frozen):
     path: str | None = Field(
         None,
@@ -126,6 +144,23 @@ class ModelConfig(Frozen):
         0.35, gt=0, le=1.0, description="Fraction of the training tasks whose reference solutions are SFT demonstrations."
     )
     seed: int = Field(0, ge=0, description="Seed for weight initialisation and SFT.")
+    context_phases: tuple[ContextPhase, ...] = Field(
+        (), description="Embedded model: context extension after the warm start, phase by phase (train short, then "
+        "longer with RoPE scaling), e.g. [{\"seq_len\": 256, \"steps\": 200}, {\"seq_len\": 1024, \"steps\": 100, "
+        "\"rope_type\": \"linear\", \"factor\": 4}]. Empty (default): no extension, context model.max_seq_len."
+    )
+
+    @field_validator("context_phases")
+    @classmethod
+    def _phases_grow(cls, value: tuple[ContextPhase, ...], info) -> tuple[ContextPhase, ...]:
+        last = info.data.get("max_seq_len", 32)
+        for i, phase in enumerate(value):
+            if phase.seq_len < last:
+                raise ValueError(f"phase {i}: seq_len {phase.seq_len} is shorter than the context before it ({last})")
+            if phase.rope_type == "default" and phase.factor != 1.0:
+                raise ValueError(f"phase {i}: rope_type 'default' takes no factor (got {phase.factor})")
+            last = phase.seq_len
+        return value
 
 
 class RolloutConfig(Frozen):
@@ -336,3 +371,30 @@ def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str
         else:
             merged[key] = value
     return merged
+
+
+class NiahConfig(Frozen):
+    """The needle-in-a-haystack probe (`ratchet eval niah`, flows/niah.py): recall of a key buried in filler."""
+
+    lengths: tuple[int, ...] = Field(
+        (), description="Prompt lengths probed, in tokens. Empty: four lengths evenly up to the model's "
+        "max_position_embeddings less the answer room."
+    )
+    depths: tuple[float, ...] = Field(
+        (0.0, 0.25, 0.5, 0.75, 1.0), description="Where the needle sits: fraction of the haystack before it (0 = first, 1 = last)."
+    )
+    trials: int = Field(4, ge=1, le=1000, description="Haystacks per (depth, length) cell, each with its own key and filler.")
+    key_digits: int = Field(5, ge=1, le=32, description="Digits of the key ('The key is 40213.').")
+    seed: int = Field(0, ge=0, description="Seed of the filler text and the keys: the same seed, the same haystacks.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Prompts decoded together.")
+    beyond_limit: bool = Field(
+        False, description="Allow lengths past the model's max_position_embeddings (to measure extrapolation); else they are an error."
+    )
+
+    @field_validator("depths")
+    @classmethod
+    def _fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [d for d in value if not 0.0 <= d <= 1.0]
+        if bad or not value:
+            raise ValueError(f"depths must be fractions in [0, 1], at least one (got {list(value)})")
+        return value
