@@ -319,9 +319,9 @@ class WatchConfig(Frozen):
         "page every N waves, and at the end (0: only at the end).")
     tensorboard: bool = Field(
         True, description="Write each wave's scalars as TensorBoard event files in the store, under "
-        "runs/<run_id>/tensorboard/ (`tensorboard --logdir` on it, for a local store).")
+        "runs/{run_id}/tensorboard/ (`tensorboard --logdir` on it, for a local store).")
     plots: bool = Field(
-        True, description="Draw the curves (runs/<run_id>/plots/curves.png) and show them with the table; off: the table only.")
+        True, description="Draw the curves (runs/{run_id}/plots/curves.png) and show them with the table; off: the table only.")
 
 
 class NightlyConfig(Frozen):
