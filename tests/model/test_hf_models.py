@@ -186,29 +186,46 @@ def test_a_prompt_past_the_models_context_is_one_clear_error(hf_dir):
         TorchEngine(model, tok).generate(["def f(x):\n", "x = 1\n" * 200], max_new_tokens=16)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_on_cuda_the_model_engine_and_trainer_share_the_device(hf_dir, dtype):
+def _train_a_little(model, tok) -> dict:
+    """Sample 4 rollouts and take the torch trainer's steps on them (rewards 0, 1, 0, 1)."""
     from ratchet.config import NightlyConfig, TrainConfig
     from ratchet.train.batching import TrainSample
     from ratchet.train.torch_trainer import TorchTrainer
 
-    _, path = hf_dir
-    model, tok = load_policy(path, ModelConfig(device="auto", dtype=dtype))
-    assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == getattr(torch, dtype)
-    engine = TorchEngine(model, tok)
-    assert engine.device.type == "cuda"
-    rollouts = engine.generate(["def f(x):\n"], n=4, max_new_tokens=8, seed=0)
+    rollouts = TorchEngine(model, tok).generate(["def f(x):\n"], n=4, max_new_tokens=8, seed=0)
     cfg = NightlyConfig(train=TrainConfig(bf16=True))
     trainer = TorchTrainer(model, tok.pad_token_id, cfg.train, cfg.rl)
-    assert trainer.device.type == "cuda" and trainer._autocast
     samples = [TrainSample(r.prompt_ids, r.completion_ids, r.logprobs, None, "g", reward=float(i % 2))
                for i, r in enumerate(rollouts)]
     before = [p.detach().clone() for p in model.parameters()]
     metrics = trainer.train_wave(trainer.assign_advantages(samples))
     assert metrics["optimizer_steps"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return {"trainer": trainer, **metrics}
+
+
+def test_bfloat16_weights_sample_train_and_save_as_bfloat16(tmp_path):
+    from ratchet.model import save_policy
+
+    model, tok = load_policy(make_qwen2(tmp_path / "src"), ModelConfig(device="cpu", dtype="bfloat16"))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    _train_a_little(model, tok)
+    save_policy(model, tok, tmp_path / "out")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert again.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_the_model_engine_and_trainer_share_the_device(hf_dir, dtype):
+    _, path = hf_dir
+    model, tok = load_policy(path, ModelConfig(device="auto", dtype=dtype))
+    assert next(model.parameters()).device.type == "cuda" and next(model.parameters()).dtype == getattr(torch, dtype)
+    assert TorchEngine(model, tok).device.type == "cuda"
+    trainer = _train_a_little(model, tok)["trainer"]
+    assert trainer.device.type == "cuda" and trainer._autocast          # train.bf16: autocast fires on CUDA
 
 
 # -- the nightly flow on each architecture --
