@@ -231,8 +231,8 @@ def test_on_cuda_the_model_engine_and_trainer_share_the_device(hf_dir, dtype):
 # -- the nightly flow on each architecture --
 
 def _nightly_cfg(store_uri: str, model_path: Path, run_id: str):
-    from ratchet.config import (EnvsConfig, EvalConfig, GateConfig, NightlyConfig, RLConfig, RolloutConfig,
-                                StoreConfig, TrainConfig)
+    from ratchet.config import (EnvsConfig, EvalConfig, GateConfig, MonitorConfig, NightlyConfig, RLConfig,
+                                RolloutConfig, StoreConfig, TrainConfig, WatchConfig)
 
     return NightlyConfig(
         run_id=run_id, steps=2, checkpoint_every=2,
@@ -245,7 +245,9 @@ def _nightly_cfg(store_uri: str, model_path: Path, run_id: str):
         rl=RLConfig(drop_zero_variance=False, entropy_coef=0.05),
         train=TrainConfig(minibatch_prompts=3, updates_per_batch=1, lr=1e-2),
         gate=GateConfig(max_zero_variance_frac=1.0),
+        monitor=MonitorConfig(max_zero_variance_frac=None),       # all-equal groups are expected here
         eval=EvalConfig(n_tasks=4, min_gain=1.0),
+        watch=WatchConfig(tensorboard=False, plots=False),
     )
 
 
