@@ -14,7 +14,9 @@ leaves the batch.
 
 The engine runs wherever the model's weights are (CPU or CUDA, in their dtype): it shares the
 module with the trainer, so a trainer that moves it (DeepSpeed) moves the engine too. With
-`chat_template=True` prompts are rendered as one user turn (ratchet.model.encode_prompts).
+`chat_template=True` prompts are rendered as one user turn (ratchet.model.encode_prompts); with
+`check_context=True` a prompt that leaves no room for max_new_tokens in the model's context
+(max_position_embeddings) is a ValueError naming it.
 The interface it implements (greedy and stop semantics): ratchet/rollout/engine.py.
 Speed against `model.generate`: python -m bench.rollout.
 """
@@ -69,7 +71,8 @@ class _StopScanner:
 
 
 class TorchEngine:
-    def __init__(self, model, tokenizer, policy_version: int = 0, chat_template: bool = False):
+    def __init__(self, model, tokenizer, policy_version: int = 0, chat_template: bool = False,
+                 check_context: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids(model, tokenizer)          # every one ends a sequence
@@ -77,7 +80,9 @@ class TorchEngine:
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.policy_version = policy_version
         self.chat_template = chat_template
-        self.context = context_length(model)
+        # check_context: a prompt + max_new_tokens past the model's context is a ValueError (the run's
+        # engines); off, it decodes past it (a probe beyond the limit, RoPE extrapolation)
+        self.context = context_length(model) if check_context else None
 
     @property
     def device(self) -> torch.device:

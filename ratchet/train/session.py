@@ -70,7 +70,7 @@ def load_engine(model_dir: str | Path, cfg: NightlyConfig, policy_version: int =
     """A rollout engine over the checkpoint in `model_dir`, placed and prompted as the run's policy is."""
     model, tokenizer = load_policy(model_dir, cfg.model)
     return TorchEngine(model.eval(), tokenizer, policy_version=policy_version,
-                       chat_template=use_chat_template(cfg.model.chat_template, tokenizer))
+                       chat_template=use_chat_template(cfg.model.chat_template, tokenizer), check_context=True)
 
 
 def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,

@@ -180,10 +180,13 @@ def test_qwen2_fused_decoder_matches_hf_forward_with_a_cache(tmp_path, monkeypat
 
 
 def test_a_prompt_past_the_models_context_is_one_clear_error(hf_dir):
+    """The run's engines check the context; a probe past it (check_context off) decodes on."""
     _, path = hf_dir
     model, tok = load_policy(path)
+    prompts = ["def f(x):\n", "x = 1\n" * 200]
     with pytest.raises(ValueError, match=f"prompt 1: .* exceed the model's context of {CONTEXT} tokens"):
-        TorchEngine(model, tok).generate(["def f(x):\n", "x = 1\n" * 200], max_new_tokens=16)
+        TorchEngine(model, tok, check_context=True).generate(prompts, max_new_tokens=16)
+    assert len(TorchEngine(model, tok).generate(prompts, max_new_tokens=2, greedy=True)) == 2
 
 
 def _train_a_little(model, tok) -> dict:
