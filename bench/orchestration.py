@@ -32,15 +32,16 @@ import time
 
 
 def small(store: str, run_id: str, steps: int, prompts: int):
-    from ratchet.config import (EnvsConfig, EvalConfig, GateConfig, ModelConfig, NightlyConfig, RolloutConfig,
-                                StoreConfig, TrainConfig)
+    from ratchet.config import (EnvsConfig, EvalConfig, GateConfig, ModelConfig, MonitorConfig, NightlyConfig,
+                                RolloutConfig, StoreConfig)
 
     return NightlyConfig(
         run_id=run_id, steps=steps, checkpoint_every=2, store=StoreConfig(uri=store),
         envs=EnvsConfig(n_train=200, n_heldout=48),
         model=ModelConfig(sft_steps=20),                  # the embedded default model, a short warm start
         rollout=RolloutConfig(prompts_per_wave=prompts),  # group 8, 48 new tokens: the defaults
-        gate=GateConfig(max_zero_variance_frac=1.0),
+        gate=GateConfig(max_zero_variance_frac=1.0),           # a short warm start: many all-equal groups
+        monitor=MonitorConfig(max_zero_variance_frac=None),
         eval=EvalConfig(n_tasks=48, min_gain=1.0),
     )
 

@@ -116,7 +116,7 @@ def run(
     except Interrupted as e:
         _quiet_prefect_exit()
         typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {e.args[0]}; {resume}", err=True)
-        raise typer.Exit(128 + e.signum)
+        _exit_now(128 + e.signum)
     except Exception as e:   # the flow has logged the traceback; the last line says what failed
         if os.environ.get("RATCHET_DEBUG"):
             raise
@@ -180,7 +180,9 @@ def _with_sources(cfg: NightlyConfig, tasks: list[str], config: Path | None) -> 
 
 def _ephemeral_api_dies_with_us() -> None:
     """The ephemeral Prefect API is a child process (uvicorn) that outlives a SIGKILLed parent.
-    Start it with PR_SET_PDEATHSIG, so the kernel kills it when this process dies, however."""
+    Start it with PR_SET_PDEATHSIG, so the kernel kills it when this process dies, however; and
+    in a process group of its own, so that a signal to ours (Ctrl-C in a terminal, `timeout`)
+    reaches this process, which closes the run through the API, and not the API first."""
     import ctypes
     import subprocess
     from types import SimpleNamespace
@@ -191,6 +193,7 @@ def _ephemeral_api_dies_with_us() -> None:
     parent = os.getpid()
 
     def die_with_parent() -> None:   # runs in the child, between fork and exec
+        os.setpgrp()                           # out of our process group: Ctrl-C / `timeout` signal us, not it
         libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
         if os.getppid() != parent:             # the parent died before the prctl: go now
             os._exit(1)
@@ -230,6 +233,20 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
 
     threading.Thread(target=watch, name="ephemeral-api-watchdog", daemon=True).start()
     return stopped      # set it to stop watching
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once, the run already closed (attempt recorded, lease released). Prefect's exit
+    handlers wait to deliver their queued events to the API, and after a signal that reached
+    the whole process group (Ctrl-C in a terminal, `timeout`, systemd) the ephemeral API is
+    gone too: they would wait for ever. The sandbox workers are stopped first (os._exit skips
+    the exit handlers that would)."""
+    from ratchet.sandbox.pool import close_defaults
+
+    close_defaults()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _quiet_prefect_exit() -> None:

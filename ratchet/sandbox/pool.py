@@ -164,7 +164,8 @@ def run_many(payloads: Sequence[Payload], limits: Limits | None = None,
 
 
 @atexit.register
-def _close_defaults() -> None:
+def close_defaults() -> None:
+    """Stop the default Sandboxes' workers (also at interpreter exit)."""
     for sb in list(_defaults.values()):
         sb.close()
     _defaults.clear()

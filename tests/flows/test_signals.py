@@ -37,7 +37,7 @@ def _ratchet_run(tmp_path: Path, store: str, name: str) -> subprocess.Popen:
     env.pop("PREFECT_API_URL", None)   # its own ephemeral server, as a user's `ratchet run`
     return subprocess.Popen([sys.executable, "-m", "ratchet.cli", "run", "--config", str(config), "--run-id", "sig",
                              "--store", store], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
-                            stderr=open(tmp_path / f"{name}.err", "w"))
+                            stderr=open(tmp_path / f"{name}.err", "w"), start_new_session=True)
 
 
 def _output(tmp_path: Path, name: str) -> tuple[str, str]:
@@ -75,7 +75,7 @@ def test_sigterm_mid_run_stops_cleanly_and_the_run_resumes(tmp_path):
     store = open_store(store_uri)
     children = _children_of(proc.pid)
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)     # to the whole group, as Ctrl-C, `timeout` and systemd deliver it
     proc.wait(timeout=60)
     took = time.monotonic() - t0
     out, err = _output(tmp_path, "first")
@@ -84,7 +84,8 @@ def test_sigterm_mid_run_stops_cleanly_and_the_run_resumes(tmp_path):
     assert err.strip().splitlines()[-1] == "ratchet run: run sig interrupted by SIGTERM; resume with: ratchet run --run-id sig"
     assert "Traceback" not in err.strip().splitlines()[-1]
     time.sleep(1.0)
-    assert [p for p in children if Path(f"/proc/{p}").exists()] == [], "a child process outlived the run"
+    left = [(p, _cmdline(p)) for p in children if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+    assert left == [], "a child process outlived the run"
     assert store.get_json("runs/sig/attempts.json")[-1]["outcome"] == "interrupted: SIGTERM"
 
     proc = _ratchet_run(tmp_path, store_uri, "resumed")
