@@ -330,12 +330,16 @@ def _plan_or_verdict(spec: TaskSpec, completion: str, runtime_python: RuntimePyt
         return _env_error("runtime", f"{type(e).__name__}: {e}")
 
 
-def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int) -> dict:
-    """Run every plan; rerun those whose sandbox failed, up to `retries` more times."""
+def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int,
+                      executor=None) -> dict:
+    """Run every plan; rerun those whose sandbox failed, up to `retries` more times. The one
+    dispatch point: `executor` (`ratchet.scale.executor_for(cfg.verify)`: this process, or Ray
+    tasks over a cluster) runs the payloads; None: this process's sandbox."""
     results: dict = {}
     pending = list(plans)
+    run = executor.run_many if executor is not None else run_many
     for _ in range(retries + 1):
-        runs = run_many([plans[k].payload for k in pending], limits=limits, concurrency=concurrency)
+        runs = run([plans[k].payload for k in pending], limits=limits, concurrency=concurrency)
         results.update(zip(pending, runs))
         pending = [k for k in pending if results[k].infra_error is not None]
         if not pending:
@@ -355,18 +359,20 @@ def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult, feedback_
 
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
-                runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES) -> list[Verification]:
+                runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES,
+                executor=None) -> list[Verification]:
     """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
     `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
     a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
     for run_command tasks; check_calls tasks without dependencies always use the fast isolated one).
-    `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`)."""
+    `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`).
+    `executor`: where the sandbox runs execute (`ratchet.scale.executor_for(cfg.verify)`; None: this process)."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
     todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
     plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
-    results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
+    results = _run_with_retries(plans, limits, concurrency, retries, executor) if plans else {}
     done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k], feedback_bytes)
             for k, v in todo.items()}
     return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind, _copy(done[k].feedback))
