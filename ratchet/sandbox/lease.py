@@ -65,7 +65,7 @@ def start_time(pid: int) -> int | None:
 
 
 def alive(pid: int, start: int | None) -> bool:
-    """Is `pid` still the process that started at `start`?"""
+    """Is `pid` still the process that started at `start`? (start None: whatever runs as `pid`.)"""
     now = start_time(pid)
     return now is not None and (start is None or now == start)
 
@@ -81,10 +81,12 @@ def _owner() -> tuple[int, int | None]:
 
 
 class Lease:
-    def __init__(self, path: str):
+    def __init__(self, path: str | None):
         self.path = path
 
     def release(self) -> None:
+        if self.path is None:
+            return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -94,6 +96,10 @@ class Lease:
 def take(pid: int, wall_s: float, uid: int | None = None) -> Lease:
     """Lease the run whose process is `pid` (its own process group) for wall_s + GRACE_S seconds."""
     start = start_time(pid)
+    with _lock:
+        _counts["launched"] += 1
+    if start is None:           # it has already ended (a zombie until its owner waits): nothing to lease
+        return Lease(None)
     owner, owner_start = _owner()
     record = {"pid": pid, "start": start, "owner": owner, "owner_start": owner_start,
               "deadline": time.time() + wall_s + GRACE_S, "uid": uid, "host": socket.gethostname()}
@@ -103,28 +109,29 @@ def take(pid: int, wall_s: float, uid: int | None = None) -> Lease:
         os.write(fd, json.dumps(record).encode())
     finally:
         os.close(fd)
-    with _lock:
-        _counts["launched"] += 1
     return Lease(path)
 
 
-def _kill(rec: dict) -> None:
+def _kill(rec: dict, owner_dead: bool) -> None:
     pid = rec["pid"]
     for send in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
         try:
             send()
         except OSError:
             pass
-    if rec.get("uid") and os.geteuid() == 0 and rec["uid"] >= 1_000_000:   # a slot uid (host.UID_BASE)
+    # What left the process group, by the slot's uid (host.UID_BASE and up): only for a dead owner,
+    # whose slot no later run can be using (a live owner's slot may already serve its next run).
+    if owner_dead and rec.get("uid") and os.geteuid() == 0 and rec["uid"] >= 1_000_000:
         from .host import sweep_uid
         sweep_uid(rec["uid"])
 
 
-def reap(now: float | None = None) -> dict[str, int]:
-    """One pass over the lease directory; returns what this pass counted (also added to counts())."""
+def reap(directory: str | None = None, now: float | None = None) -> dict[str, int]:
+    """One pass over the lease directory (default: `lease_dir()`); returns what this pass counted
+    (also added to counts())."""
     now = time.time() if now is None else now
     found = {"reaped": 0, "orphaned": 0}
-    d = lease_dir()
+    d = directory or lease_dir()
     try:
         names = [n for n in os.listdir(d) if n.endswith(".json")]
     except OSError:
@@ -137,7 +144,7 @@ def reap(now: float | None = None) -> dict[str, int]:
                 rec = json.load(f)
         except (OSError, ValueError):
             continue   # released meanwhile, or half-written (its owner is writing it now)
-        run_alive = alive(rec["pid"], rec["start"])
+        run_alive = rec.get("start") is not None and alive(rec["pid"], rec["start"])   # never a pid we cannot identify
         owner_dead = not alive(rec["owner"], rec["owner_start"])
         if not owner_dead and not (run_alive and now > rec["deadline"]):
             continue
@@ -149,7 +156,7 @@ def reap(now: float | None = None) -> dict[str, int]:
         if owner_dead:
             found["orphaned"] += 1
         if run_alive:
-            _kill(rec)
+            _kill(rec, owner_dead)
             found["reaped"] += 1
         try:
             os.unlink(claimed)

@@ -57,8 +57,10 @@ def _one_lease(d: Path) -> dict:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_killed_worker_leaves_no_sandbox_process_and_is_counted_orphaned(leases, backend):
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, backend], cwd=ROOT, env=dict(os.environ),
+def test_a_killed_worker_leaves_no_sandbox_process_and_is_counted_orphaned(tmp_path, backend):
+    leases = tmp_path / "worker-leases"   # the worker's; this process's own reaper threads never look here
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, backend], cwd=ROOT,
+                              env={**os.environ, "RATCHET_SANDBOX_LEASES": str(leases)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         rec = _until(lambda: _one_lease(leases), what="the run's lease")
@@ -72,13 +74,14 @@ def test_a_killed_worker_leaves_no_sandbox_process_and_is_counted_orphaned(lease
         if backend == "zygote":
             time.sleep(0.5)
             assert lease.alive(rec["pid"], rec["start"]), "the orphaned run should still be running here"
-        _until(lambda: lease.reap() is not None and lease.diff(lease.counts(), before)["orphaned"] == 1,
-               what="the reaper to find the orphan")
+        else:   # the run dies with its worker (PR_SET_PDEATHSIG; bwrap also --die-with-parent), before any reaper
+            _until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=10, what="the run to die with its worker")
+        found = lease.reap(str(leases))
         _until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=5, what="the run's process to be gone")
-        counted = lease.diff(lease.counts(), before)
-        # zygote: the run outlived its worker and zygote, the reaper killed it; subprocess/bwrap: the run died
-        # with its worker (PR_SET_PDEATHSIG / --die-with-parent), the reaper only counted the orphaned lease
-        assert counted["reaped"] == (1 if backend == "zygote" else 0), counted
+        # zygote: the run outlived its worker and zygote, the reaper killed it; subprocess/bwrap: the reaper
+        # only counts the orphaned lease
+        assert found == {"reaped": 1 if backend == "zygote" else 0, "orphaned": 1}
+        assert lease.diff(lease.counts(), before) | {"launched": 0} == {"launched": 0, **found}
         assert not list(leases.glob("*.json*"))
     finally:
         if worker.poll() is None:
@@ -94,7 +97,7 @@ def test_a_run_past_its_lease_is_killed_and_a_reused_pid_never_is(leases):
         forged = json.loads(path.read_text()) | {"pid": other.pid, "start": 1}   # not the process that started then
         (leases / "forged.json").write_text(json.dumps(forged))
         assert lease.reap(now=time.time()) == {"reaped": 0, "orphaned": 0}     # within the lease: left alone
-        found = lease.reap(now=time.time() + 1.0 + lease.GRACE_S + 1)
+        found = lease.reap(str(leases), now=time.time() + 1.0 + lease.GRACE_S + 1)
         assert found == {"reaped": 1, "orphaned": 0}
         assert proc.wait(timeout=5) == -signal.SIGKILL
         assert other.poll() is None                                            # the forged lease killed nothing
@@ -116,3 +119,25 @@ def test_the_executor_counts_a_waves_launched_runs(leases):
     assert ex.stats["sandbox_launched"] == 5 and ex.stats["sandbox_nodes"] == 1
     assert ex.stats["sandbox_reaped"] == ex.stats["sandbox_orphaned"] == 0
     assert not list(leases.glob("*.json"))                                    # every lease released
+
+
+def test_ratchet_sandbox_reap_ends_a_dead_workers_run(tmp_path):
+    leases = tmp_path / "host-leases"     # the command's; this process's reaper threads never look here
+    run = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        rec = {"pid": run.pid, "start": lease.start_time(run.pid), "owner": dead.pid, "owner_start": None,
+               "deadline": time.time() + 60, "uid": None, "host": "here"}
+        leases.mkdir()
+        (leases / f"{run.pid}.json").write_text(json.dumps(rec))
+        out = subprocess.run([sys.executable, "-m", "ratchet.cli", "sandbox", "reap", "--json"], cwd=ROOT,
+                             env={**os.environ, "RATCHET_SANDBOX_LEASES": str(leases)},
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) | {"dir": None} == {"reaped": 1, "orphaned": 1, "leases": 0, "dir": None}
+        assert run.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
