@@ -111,7 +111,6 @@ def test_a_run_past_its_lease_is_killed_and_a_reused_pid_never_is(leases):
 
 
 def test_the_executor_counts_a_waves_launched_runs(leases):
-    from envs.spec import TaskSpec  # noqa: F401  (the verifier's inputs)
     from ratchet.sandbox import Limits, Payload
     ex = LocalExecutor()
     results = ex.run_many([Payload(code=f"print({i})") for i in range(5)], Limits(wall_s=5), 2)
