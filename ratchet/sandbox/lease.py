@@ -43,10 +43,16 @@ _counts = {"launched": 0, "reaped": 0, "orphaned": 0}
 _lock = threading.Lock()
 
 
+_made: set[str] = set()
+_HOST = socket.gethostname()
+
+
 def lease_dir() -> str:
     """The host's lease directory (created 0700 on first use)."""
     d = os.environ.get("RATCHET_SANDBOX_LEASES") or "/tmp/ratchet-sandbox-leases"
-    os.makedirs(d, mode=0o700, exist_ok=True)
+    if d not in _made or not os.path.isdir(d):
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        _made.add(d)
     return d
 
 
@@ -102,7 +108,7 @@ def take(pid: int, wall_s: float, uid: int | None = None) -> Lease:
         return Lease(None)
     owner, owner_start = _owner()
     record = {"pid": pid, "start": start, "owner": owner, "owner_start": owner_start,
-              "deadline": time.time() + wall_s + GRACE_S, "uid": uid, "host": socket.gethostname()}
+              "deadline": time.time() + wall_s + GRACE_S, "uid": uid, "host": _HOST}
     path = os.path.join(lease_dir(), f"{pid}-{start}.json")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
