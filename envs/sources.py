@@ -267,16 +267,3 @@ def interleave(groups: Sequence[Sequence[TaskSpec]]) -> list[TaskSpec]:
     (held-out tasks of a family and of an imported set, cut to `eval.n_tasks`)."""
     longest = max((len(g) for g in groups), default=0)
     return [g[i] for i in range(longest) for g in groups if i < len(g)]
-
-
-def pass_rates_by_source(evals: dict[str, dict | None]) -> dict[str, dict]:
-    """{source: {"n_tasks", "<column>": pass@1, "<column>_ci": [lo, hi]}} from evaluation records
-    (`EvalResult.summary()`, its `tables["source"]`), one column per record (base, final, ...)."""
-    out: dict[str, dict] = {}
-    for column, record in evals.items():
-        if record is None:
-            continue
-        for row in record["tables"]["source"]:
-            entry = out.setdefault(str(row["source"]), {"n_tasks": row["n_tasks"]})
-            entry[column], entry[f"{column}_ci"] = row["pass_at_1"], row["ci"]
-    return dict(sorted(out.items()))

@@ -36,9 +36,20 @@ class OverwriteFile(_Spec):
     content: str = Field(description=f"New content; {COMPLETION} is replaced by the completion.")
 
 
+class Report(_Spec):
+    """A test report file the command writes; its counts become tests_passed / tests_total."""
+
+    path: str = Field(min_length=1, description="Report file in the workdir (absolute /app/... or relative), e.g. report.xml.")
+    format: Literal["junit", "pytest-json"] = Field(
+        description="junit: JUnit XML (pytest --junitxml=...); pytest-json: pytest-json-report's JSON document.")
+
+
 class RunCommand(_Spec):
     action: Literal["run_command"] = "run_command"
-    command: str = Field(min_length=1, description="Shell command run in the workdir after the files are placed.")
+    command: str = Field(min_length=1, description="Command line run by /bin/sh -c in the workdir (/app) after the files "
+                                                   "are placed, with the runtime's python and pytest first on PATH.")
+    report: Report | None = Field(None, description="Test report file the command writes (None: pytest's terminal "
+                                                    "output, else the exit code, is what is scored).")
 
 
 class CheckCalls(_Spec):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.settings import deployment_settings, require_store
 from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, VerifyConfig
 from tasks.audit import AuditResult, audit_envs
 from tasks.produce import import_envs, produce_envs
@@ -22,6 +23,8 @@ def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), audit: AuditConfig = AuditC
     """Produce each family's snapshot, then audit it in the sandbox. The parameters are the
     nightly config's own sections (`NightlyConfig.envs/.audit/.verify/.store`): the same
     values give the same snapshot and the same verdicts as the nightly's audit."""
+    envs, audit, verify, store = deployment_settings(envs=envs, audit=audit, verify=verify, store=store)
+    require_store(store)
     snapshots = [produce_envs(family, envs, store) for family in envs.families]
     snapshots += [import_envs(source, envs, store) for source in envs.sources]
     return [audit_envs(snapshot, audit, verify, store) for snapshot in snapshots]

@@ -1,9 +1,9 @@
 """The nightly training cycle, top to bottom.
 
     produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
-    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> check_health
+    -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> watch_wave -> check_health
         (-> checkpoint_policy, evaluate)] x steps
-    -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
+    -> publish_curves -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
 from the shell:       ratchet run            (or: make run)
@@ -21,9 +21,9 @@ from datetime import datetime, timezone
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from envs.sources import pass_rates_by_source
+from flows.settings import deployment_settings, require_store
 from ratchet.config import NightlyConfig
-from ratchet.eval.report import vertical_table
+from ratchet.eval.report import pass_rates_by_source, vertical_table
 from ratchet.run import run_attempt
 from ratchet.store import open_store
 from tasks.audit import audit_envs
@@ -34,11 +34,14 @@ from tasks.rollout import rollout_wave
 from tasks.score import score_wave
 from tasks.summary import record_wave, write_summary
 from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
+from tasks.watch import publish_curves, watch_wave
 
 
 @flow(name="nightly", log_prints=True, persist_result=True)
 def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     """Train on audited environments; promote the result only if it beats the incumbent."""
+    cfg, = deployment_settings(cfg=cfg)   # a partial override keeps the deployment's other settings
+    require_store(cfg.store)              # a worker without the S3 settings: one error naming them
     logger = get_run_logger()
     run_id = cfg.run_id or datetime.now(timezone.utc).strftime("nightly-%Y%m%d-%H%M%S")
 
@@ -54,20 +57,22 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         logger.info("run %s starts at policy v%d, held-out pass@1 %.3f", run_id, policy.version, base["pass_rate"])
 
         for step in range(policy.version, cfg.steps):  # one wave per policy version
-            wave = rollout_wave(policy, step, train, cfg)
+            wave, rollout_stats = rollout_wave(policy, step, train, cfg)
             scored, wave_stats = score_wave(wave, train, cfg)
             gated = gate_wave(scored, train, cfg)
             policy, train_stats = train_epoch(policy, gated, cfg)
-            stats = {**wave_stats, **train_stats}
+            stats = {**wave_stats, **train_stats, **rollout_stats}
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.steps:
                 stats["heldout_pass_rate"] = evaluate(policy, heldout, cfg)["pass_rate"]
             record_wave(run_id, step, stats, cfg)
+            watch_wave(run_id, step, stats, cfg)     # TensorBoard; curves and table every watch.every waves
             check_health(run_id, step, cfg)                # a tripped health monitor stops the run here
             logger.info("wave %d/%d: reward %.3f, %d samples trained", step + 1, cfg.steps,
                         wave_stats["reward_mean"], train_stats.get("train_samples", 0))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 lease.check()
                 policy = checkpoint_policy(policy, cfg)
+        publish_curves(run_id, cfg)
         if policy.checkpoint_version != policy.version:
             lease.check()
             policy = checkpoint_policy(policy, cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.settings import deployment_settings, require_store
 from ratchet.config import EnvsConfig, StoreConfig
 from tasks.produce import EnvSnapshot, import_envs, produce_envs
 
@@ -17,6 +18,8 @@ from tasks.produce import EnvSnapshot, import_envs, produce_envs
 def produce_envs_flow(envs: EnvsConfig = EnvsConfig(), store: StoreConfig = StoreConfig()) -> list[EnvSnapshot]:
     """Generate, dedup and decontaminate every configured family (and import every configured
     task source); write versioned snapshots."""
+    envs, store = deployment_settings(envs=envs, store=store)
+    require_store(store)
     return ([produce_envs(family, envs, store) for family in envs.families]
             + [import_envs(source, envs, store) for source in envs.sources])
 

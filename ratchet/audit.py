@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from envs.mutation import mutants as make_mutants
 from envs.registry import get_family
@@ -198,27 +199,32 @@ def _blocked(spec: TaskSpec) -> Verdict | None:
     return None
 
 
-def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: VerifyConfig = VerifyConfig()) -> list[Verdict]:
-    """Audit each spec; one Verdict per spec, in order."""
+def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: VerifyConfig = VerifyConfig(),
+          progress: Callable[[int, int], None] | None = None) -> list[Verdict]:
+    """Audit each spec; one Verdict per spec, in order. `progress(done, total)`, if given, counts the
+    candidate runs (first reference runs, repeats, trivial answers, mutants) as they finish."""
     limits = verify.sandbox_limits()
     short = replace(limits, wall_s=min(limits.wall_s, cfg.candidate_wall_s), cpu_s=min(limits.cpu_s, cfg.candidate_wall_s))
     executor = executor_for(verify)   # this process's sandbox, or Ray tasks over a cluster (verify.executor)
-    run = lambda items, lim=limits: verify_many(items, lim, verify.concurrency, verify.env_error_retries,  # noqa: E731
-                                                executor=executor)
     blocked = [_blocked(s) for s in specs]
     live = [i for i in range(len(specs)) if blocked[i] is None]
     with_ref = [i for i in live if specs[i].reference_solution is not None]
+    candidates = {i: _candidates(specs[i], cfg) for i in live}
+    n_runs = {i: len(candidates[i].sources(specs[i].reference_solution)) for i in live}
+    tally = _Tally(progress, len(with_ref) + sum(n_runs.values()))
+    run = lambda items, lim=limits: verify_many(items, lim, verify.concurrency, verify.env_error_retries,  # noqa: E731
+                                                progress=tally.part(len(items)), executor=executor)
 
     # 1. reference run 1 of every task: a full verification (the training path; its time is the runtime)
     first = dict(zip(with_ref, run([(specs[i], specs[i].reference_solution) for i in with_ref])))
 
     # 2. every other candidate: reference repeats, trivial answers, mutants
-    candidates = {i: _candidates(specs[i], cfg) for i in live}
     outcome: dict[int, list[bool | None]] = {}   # per candidate: passed (None: env_error)
     if cfg.batch_probes:
         ref_ms = {i: first[i].metrics.get("execution_time_ms", limits.wall_s * 1000) for i in with_ref}
         probed = [i for i in with_ref if _probeable(specs[i])]
         outcome = _probe_all(specs, probed, candidates, ref_ms, limits, verify.concurrency, executor)
+        tally.add(sum(n_runs[i] for i in outcome))
     rest = [i for i in live if i not in outcome]
     outcome.update({i: [] for i in rest})
     for _ in range(max((candidates[i].repeats for i in rest), default=0)):
@@ -240,6 +246,22 @@ def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: Verif
                           ok[c.repeats + len(c.trivial):])
         verdicts.append(_judge(spec, cfg, c, results))
     return verdicts
+
+
+class _Tally:
+    """One progress(done, total) over several calls, each reporting its own (done, of its n)."""
+
+    def __init__(self, progress: Callable[[int, int], None] | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def part(self, n: int) -> Callable[[int, int], None] | None:
+        base, self.done = self.done, self.done + n
+        return None if self.progress is None else (lambda done, _n: self.progress(base + done, self.total))
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
 
 
 def _ok(v: Verification) -> bool | None:

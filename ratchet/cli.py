@@ -8,6 +8,7 @@
     ratchet gate check FILE.parquet                                               the wave gate
     ratchet trace show RUN --step N [--task ID] | ratchet trace replay RUN --step N --task ID   traces
     ratchet serve --model DIR [--port N] [--host H]                               OpenAI-compatible rollout server
+    ratchet eval niah --model DIR [--lengths 120,240] [--depths 0,0.5,1]          long-context recall table
 
 Only `run` reaches Prefect (lazily, inside the command), so the other commands start fast.
 `run` checks its settings first (`ratchet.preflight`) and exits 2, one line per problem,
@@ -33,6 +34,7 @@ from ratchet.cli_errors import OneLineErrors, fail, message, read_text
 from ratchet.config import NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
+from ratchet.eval_cli import app as eval_app
 from ratchet.sandbox.cli import app as sandbox_app
 from ratchet.trace_cli import app as trace_app
 from ratchet.verify.cli import verify_command
@@ -43,6 +45,7 @@ app.add_typer(sandbox_app, name="sandbox", help="Run code in the sandbox; inspec
 app.add_typer(gate_app, name="gate", help="Great Expectations gates on waves and task tables.")
 app.add_typer(envs_app, name="envs", help="Import task specs (taskspec, HumanEval) and audit them.")
 app.add_typer(trace_app, name="trace", help="Show a wave's trajectories; replay them to see if the rewards reproduce.")
+app.add_typer(eval_app, name="eval", help="Probe a checkpoint: needle-in-a-haystack recall by depth and length.")
 app.command("verify", help="Score completions against tasks in the sandbox (one JSON line each).")(verify_command)
 
 

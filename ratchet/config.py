@@ -10,6 +10,7 @@ holds only overrides.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -63,13 +64,13 @@ class EnvsConfig(Frozen):
     family_config: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description='Generator settings per family, e.g. {"python_functions": {"n_tests": 12}}; each is '
-        "validated against the family's own Config (envs/families/<name>.py). Unset: the family's defaults.",
+        "validated against the family's own Config (envs/families/{name}.py). Unset: the family's defaults.",
     )
     clean: CleanConfig = Field(default_factory=CleanConfig, description="Dedup, near-dup and contamination filters.")
     n_train: int = Field(3000, ge=1, le=1_000_000, description="Training tasks produced per family.")
     n_heldout: int = Field(300, ge=1, le=100_000, description="Held-out evaluation tasks per family.")
     seed: int = Field(0, ge=0, description="Generation seed; task i is generated from Random(seed, i).")
-    version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version under envs/<family>/<version>/.")
+    version: str = Field("v1", min_length=1, max_length=64, description="Snapshot version: the snapshot lives under envs/{family}/{version}/.")
     max_difficulty: int = Field(3, ge=1, le=5, description="Highest difficulty level produced.")
     sources: tuple[str, ...] = Field(
         (), description="Imported task sets trained on beside the families: task-spec JSONL (.jsonl, .jsonl.gz) or "
@@ -107,6 +108,24 @@ class EnvsConfig(Frozen):
         return get_family(family).config.model_validate(self.family_config.get(family, {}))
 
 
+class ContextPhase(Frozen):
+    """One phase of context extension for the embedded model (`ModelConfig.context_phases`)."""
+
+    seq_len: int = Field(..., ge=32, le=131072, description="The model's context in this phase: its "
+                         "max_position_embeddings, and the longest retrieval sequence trained on (in tokens).")
+    steps: int = Field(..., ge=0, le=100_000, description="SFT steps of this phase (retrieval sequences mixed with task demonstrations).")
+    batch: int = Field(8, ge=1, le=4096, description="Sequences per SFT step in this phase (longer sequences: fewer per step).")
+    rope_type: Literal["default", "linear", "dynamic", "yarn"] = Field(
+        "default", description="RoPE scaling (Hugging Face `rope_parameters`) from this phase on: default = none (positions "
+        "past the trained ones are extrapolated); linear = positions divided by `factor` (position interpolation); yarn = "
+        "YaRN over the original model.max_seq_len; dynamic = NTK scaling applied only past seq_len, at inference."
+    )
+    factor: float = Field(1.0, ge=1.0, le=64.0, description="RoPE scaling factor, usually seq_len / model.max_seq_len "
+                          "(1.0 with rope_type default).")
+    retrieval_share: float = Field(0.5, ge=0, le=1, description="Share of this phase's training sequences that are "
+                                   "needle-in-a-haystack retrieval sequences (ratchet/eval/niah.py); the rest are task demonstrations.")
+
+
 class ModelConfig(Frozen):
     path: str | None = Field(
         None,
@@ -125,6 +144,23 @@ class ModelConfig(Frozen):
         0.35, gt=0, le=1.0, description="Fraction of the training tasks whose reference solutions are SFT demonstrations."
     )
     seed: int = Field(0, ge=0, description="Seed for weight initialisation and SFT.")
+    context_phases: tuple[ContextPhase, ...] = Field(
+        (), description="Embedded model: context extension after the warm start, phase by phase (train short, then "
+        "longer with RoPE scaling), e.g. [{\"seq_len\": 256, \"steps\": 200}, {\"seq_len\": 1024, \"steps\": 100, "
+        "\"rope_type\": \"linear\", \"factor\": 4}]. Empty (default): no extension, context model.max_seq_len."
+    )
+
+    @field_validator("context_phases")
+    @classmethod
+    def _phases_grow(cls, value: tuple[ContextPhase, ...], info) -> tuple[ContextPhase, ...]:
+        last = info.data.get("max_seq_len", 32)
+        for i, phase in enumerate(value):
+            if phase.seq_len < last:
+                raise ValueError(f"phase {i}: seq_len {phase.seq_len} is shorter than the context before it ({last})")
+            if phase.rope_type == "default" and phase.factor != 1.0:
+                raise ValueError(f"phase {i}: rope_type 'default' takes no factor (got {phase.factor})")
+            last = phase.seq_len
+        return value
 
 
 class RolloutConfig(Frozen):
@@ -139,8 +175,8 @@ class RLConfig(Frozen):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator (ratchet.rl.advantages registry)."
     )
-    clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio >= 1 - clip_low.")
-    clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28).")
+    clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio at least 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio at most 1 + clip_high (DAPO clip-higher: 0.28).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"] = Field(
         "seq_mean_token_mean",
         description="How per-token losses reduce to one number (token- vs sequence-level). token_mean lets long "
@@ -230,17 +266,17 @@ class GateConfig(Frozen):
 class EvalConfig(Frozen):
     n_tasks: int = Field(300, ge=1, le=100_000, description="Held-out tasks evaluated.")
     samples: int = Field(
-        1, ge=1, le=256, description="Samples per held-out task: 1 = one greedy completion (pass@1); k > 1 = k completions "
+        1, ge=1, le=256, description="Samples per held-out task: 1 = one greedy completion (pass@1); k of 2 or more = k completions "
         "at `temperature`, scored as unbiased pass@1 and pass@k, the same seed for candidate and incumbent."
     )
-    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature of evaluation when samples > 1.")
+    temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature of evaluation when samples is 2 or more.")
     min_gain: float = Field(
         0.0, ge=0, le=1, description="A checkpoint is promoted only if the lower bound of the confidence interval of its "
         "held-out pass-rate gain over the incumbent (same tasks, paired) is above this (a fraction: 0.02 = 2 points)."
     )
     confidence: float = Field(
         0.95, gt=0.5, lt=1, description="Confidence of the paired test behind promotion: paired bootstrap interval over "
-        "tasks, and McNemar's exact test at p < 1 - confidence."
+        "tasks, and McNemar's exact test at p below 1 - confidence."
     )
     every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
 
@@ -272,7 +308,7 @@ class MonitorConfig(Frozen):
     entropy_min_ratio: float | None = Field(
         0.1, gt=0, lt=1, description="Entropy collapse: the entropy below this fraction of its baseline (empty: off).")
     max_kl: float | None = Field(
-        1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when rl.kl_coef > 0 "
+        1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when a positive rl.kl_coef "
         "puts it in the loss) above this (empty: off).")
     max_approx_kl: float | None = Field(
         0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before and after each update "
@@ -288,8 +324,19 @@ class MonitorConfig(Frozen):
         "learning signal) above this (empty: off).")
 
 
+class WatchConfig(Frozen):
+    every: int = Field(
+        10, ge=0, le=100_000, description="Publish the per-wave table and the curves as artifacts on the flow run's "
+        "page every N waves, and at the end (0: only at the end).")
+    tensorboard: bool = Field(
+        True, description="Write each wave's scalars as TensorBoard event files in the store, under "
+        "runs/{run_id}/tensorboard/ (`tensorboard --logdir` on it, for a local store).")
+    plots: bool = Field(
+        True, description="Draw the curves (runs/{run_id}/plots/curves.png) and show them with the table; off: the table only.")
+
+
 class NightlyConfig(Frozen):
-    """The nightly training cycle: produce -> audit -> (rollout -> score -> gate -> train) x steps -> evaluate -> promote."""
+    """The nightly training cycle: produce → audit → (rollout → score → gate → train) × steps → evaluate → promote."""
 
     run_id: str | None = Field(
         None, max_length=128, pattern=RUN_ID_PATTERN,
@@ -310,10 +357,55 @@ class NightlyConfig(Frozen):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation and promotion.")
     monitor: MonitorConfig = Field(
         default_factory=MonitorConfig, description="Health monitors: stop a run whose training goes bad, before promotion.")
+    watch: WatchConfig = Field(default_factory=WatchConfig, description="Watching a run: TensorBoard, curves, table.")
 
     @field_validator("run_id")
     @classmethod
     def _no_parent(cls, value: str | None) -> str | None:
         if value is not None and ".." in value:
             raise ValueError("a run id may not contain '..'")
+        return value
+
+
+def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """`override` laid over `base` at every depth: a key both hold as mappings is merged, any other
+    value of `override` replaces base's (a list, a scalar, None), a key override lacks keeps base's.
+    Neither argument is modified.
+
+    Prefect lays a run's parameters over its deployment's one level deep only, so
+    `-p cfg='{"steps": 10}'` would replace the deployment's whole `cfg` (its store, its min_gain);
+    the flows merge with this instead (flows/settings.py)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class NiahConfig(Frozen):
+    """The needle-in-a-haystack probe (`ratchet eval niah`, flows/niah.py): recall of a key buried in filler."""
+
+    lengths: tuple[int, ...] = Field(
+        (), description="Prompt lengths probed, in tokens. Empty: four lengths evenly up to the model's "
+        "max_position_embeddings less the answer room."
+    )
+    depths: tuple[float, ...] = Field(
+        (0.0, 0.25, 0.5, 0.75, 1.0), description="Where the needle sits: fraction of the haystack before it (0 = first, 1 = last)."
+    )
+    trials: int = Field(4, ge=1, le=1000, description="Haystacks per (depth, length) cell, each with its own key and filler.")
+    key_digits: int = Field(5, ge=1, le=32, description="Digits of the key ('The key is 40213.').")
+    seed: int = Field(0, ge=0, description="Seed of the filler text and the keys: the same seed, the same haystacks.")
+    batch_size: int = Field(16, ge=1, le=4096, description="Prompts decoded together.")
+    beyond_limit: bool = Field(
+        False, description="Allow lengths past the model's max_position_embeddings (to measure extrapolation); else they are an error."
+    )
+
+    @field_validator("depths")
+    @classmethod
+    def _fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        bad = [d for d in value if not 0.0 <= d <= 1.0]
+        if bad or not value:
+            raise ValueError(f"depths must be fractions in [0, 1], at least one (got {list(value)})")
         return value

@@ -117,10 +117,12 @@ def _key_part(name: str) -> bool:
 def _audit(st, prod, max_mutants: int) -> dict:
     from envs.snapshot import save_audit
     from ratchet.audit import audit
+    from ratchet.watch import progress_bar
 
     specs = prod.train + prod.heldout
     t0 = time.monotonic()
-    verdicts = audit(specs, AuditConfig(max_mutants=max_mutants))
+    with progress_bar("audit") as progress:     # a bar on stderr when it is a terminal
+        verdicts = audit(specs, AuditConfig(max_mutants=max_mutants), progress=progress)
     wall = time.monotonic() - t0
     saved = save_audit(st, prod.family, prod.version, specs, verdicts)
     for v in verdicts:

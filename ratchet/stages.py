@@ -59,6 +59,30 @@ def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: Nig
     )
 
 
+def rollout_stats(frame: pl.DataFrame, wall_s: float) -> dict:
+    """How fast a wave was sampled: completion tokens per second of the rollout's wall time."""
+    tokens = int(frame["completion_tokens"].sum() or 0)
+    return {"rollout_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0, "rollout_s": wall_s}
+
+
+def sandbox_stats(frame: pl.DataFrame) -> dict:
+    """Wall time of the wave's verification runs, p50 and p95 in ms: each distinct (task, completion)
+    that ran once (not an empty completion, which is not run, nor an env_error, which has no metrics)."""
+    ran = (frame.filter(pl.col("metrics").is_not_null() & ~pl.col("env_error"))
+           .unique(["task_id", "completion"])
+           .select(ms=pl.col("metrics").struct.field("execution_time_ms"))
+           .filter(pl.col("ms") > 0)["ms"])
+    if ran.len() == 0:
+        return {"sandbox_p50_ms": 0.0, "sandbox_p95_ms": 0.0}
+    return {"sandbox_p50_ms": float(ran.quantile(0.5, "linear")), "sandbox_p95_ms": float(ran.quantile(0.95, "linear"))}
+
+
+def staleness(frame: pl.DataFrame, version: int) -> int:
+    """How many policy versions the trainer (at `version`) is ahead of the oldest behaviour policy
+    that sampled the wave: 0 when each wave is sampled by the weights that then train on it."""
+    return version - int(frame["policy_version"].min())
+
+
 def _complete_groups(frame: pl.DataFrame, group_size: int) -> pl.Series:
     """Groups whose every one of `group_size` rows was verified and scored (no env_error)."""
     ok = frame.group_by("group_id", maintain_order=True).agg(

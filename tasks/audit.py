@@ -4,7 +4,8 @@
     result.passed        # Ref to the training tasks that passed the audit (AUDITED_TASK_SCHEMA)
 
 Store keys: see envs/snapshot.py (envs/<family>/<version>/audit.parquet, passed.parquet,
-heldout_passed.parquet, quarantine.parquet, regression.parquet).
+heldout_passed.parquet, quarantine.parquet, regression.parquet); envs/runtimes/<key>.json for each
+distinct runtime the tasks need, built before the audit runs them (envs/runtime.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, ConfigDict, Field
 
+from envs.runtime import ensure_runtimes
 from envs.snapshot import VERDICTS, load_specs, save_audit
 from ratchet.audit import audit
 from ratchet.config import AuditConfig, StoreConfig, VerifyConfig
@@ -44,8 +46,11 @@ def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, st
     The tasks that passed go through the task-table gate (Great Expectations) before any
     rollout may sample them; a failed gate stops the flow with the report as an artifact."""
     specs = load_specs(snapshot.train) + load_specs(snapshot.heldout)
-    verdicts = audit(specs, cfg, verify)
     st = open_store(store)
+    for built in ensure_runtimes(specs, st).values():   # each runtime once, before any task runs in it
+        if built.error:
+            get_run_logger().warning("runtime %s: %s (its tasks become env_errors)", built.key, built.error)
+    verdicts = audit(specs, cfg, verify)
     saved = save_audit(st, snapshot.family, snapshot.version, specs, verdicts)
     _artifacts(snapshot, saved.table, saved.counts, saved.changed)
     get_run_logger().info("audit %s %s: %s", snapshot.family, snapshot.version, saved.counts)

@@ -63,6 +63,7 @@ def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tu
     except BaseException:
         sessions.discard(policy.run_id)   # half-updated: a retry restores the last good state, never reuses these
         raise
+    metrics["staleness"] = stages.staleness(frame, session.version)
     session.version += 1
     session.consumed_waves.append(int(frame["step"][0]))
     return session.ref(policy.checkpoint, policy.checkpoint_version), metrics

@@ -61,11 +61,11 @@ def test_budgets_and_env_errors():
     slow, long_, unrunnable = audit(
         [GOOD, GOOD.model_copy(update={"task_id": "long", "prompt": "x" * 50}),
          GOOD.model_copy(update={"task_id": "ls", "execution_steps": (
-             OverwriteFile(path="/app/a.sh", content=COMPLETION), RunCommand(command="ls -l"))})],
+             OverwriteFile(path="/app/a.sh", content=COMPLETION), RunCommand(command="ls 'unclosed"))})],
         cfg=AuditConfig(max_reference_ms=0.001, max_prompt_chars=20, max_mutants=0))
     assert slow.verdict == "too_slow" and "budget" in slow.reason
     assert long_.verdict == "too_long" and "50 chars" in long_.reason
-    assert unrunnable.verdict == "env_error" and "ls" in unrunnable.reason
+    assert unrunnable.verdict == "env_error" and "cannot parse" in unrunnable.reason
 
 
 def test_leaky_tests_are_quarantined_before_anything_runs():

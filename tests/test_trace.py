@@ -89,7 +89,7 @@ def test_feedback_of_pytest_script_and_call_tasks():
     assert fb["stdout_tail"].startswith("[... ") and "1 failed, 2 passed in " in fb["stdout_tail"]   # the end is kept
     assert len(fb["stdout_tail"].split("\n", 1)[1].encode()) <= 64        # the tail is bounded
     fb = script.feedback                            # a script: its exit and the last line of stderr
-    assert fb["failed_tests"] == [{"name": "check.py", "detail": "exit 1: AssertionError: wrong"}]
+    assert fb["failed_tests"] == [{"name": "python check.py", "detail": "exit 1: AssertionError: wrong"}]   # the command line
     assert fb["stderr_tail"].rstrip().endswith("AssertionError: wrong")
     fb = call.feedback                              # calls: args, expected and got, outside the sandbox
     assert call.metrics["tests_passed"] == 1 and [t["name"] for t in fb["failed_tests"]] == ["call 1", "call 2"]

@@ -79,6 +79,7 @@ METRICS = pl.Struct(
         "format_ok": pl.Boolean,
         "output_bytes": pl.Int64,
         "security_flags": pl.List(pl.String),
+        "exit_code": pl.Int32,            # the run's exit status (null: ended by a signal); run_command passes on 0
     }
 )
 

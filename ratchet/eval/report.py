@@ -49,3 +49,16 @@ def vertical_table(columns: dict[str, dict | None], confidence: float = 0.95) ->
     lines = [head, "|---|" + "---|" * len(cols)]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in table_rows(columns)]
     return "\n".join(lines)
+
+
+def pass_rates_by_source(evals: dict[str, dict | None]) -> dict[str, dict]:
+    """{source: {"n_tasks", "<column>": pass@1, "<column>_ci": [lo, hi]}} from evaluation records
+    (`EvalResult.summary()`, its `tables["source"]`), one column per record (base, final, ...)."""
+    out: dict[str, dict] = {}
+    for column, record in evals.items():
+        if record is None:
+            continue
+        for row in record["tables"]["source"]:
+            entry = out.setdefault(str(row["source"]), {"n_tasks": row["n_tasks"]})
+            entry[column], entry[f"{column}_ci"] = row["pass_at_1"], row["ci"]
+    return dict(sorted(out.items()))

@@ -54,6 +54,29 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast) -> LlamaFo
     return LlamaForCausalLM(config)
 
 
+def set_context(model: LlamaForCausalLM, seq_len: int, rope_type: str = "default", factor: float = 1.0,
+                original: int | None = None) -> LlamaForCausalLM:
+    """Give a Llama model a context of `seq_len` positions with RoPE scaling, in place: the config
+    (max_position_embeddings, rope_parameters: what `save_pretrained` writes and `from_pretrained`
+    reads back) and the rotary tables built from it. `original`: the length the model was first
+    trained at (YaRN scales relative to it). The weights are untouched: RoPE has no parameters."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = model.config
+    theta = (config.rope_parameters or {}).get("rope_theta", 10_000.0)
+    rope = {"rope_type": rope_type, "rope_theta": theta}
+    if rope_type != "default":
+        rope["factor"] = float(factor)
+    if rope_type == "yarn":
+        rope["original_max_position_embeddings"] = int(original or config.max_position_embeddings)
+    config.max_position_embeddings = seq_len
+    config.rope_parameters = rope
+    config.validate_rope()
+    device = model.model.embed_tokens.weight.device
+    model.model.rotary_emb = LlamaRotaryEmbedding(config=config).to(device)
+    return model
+
+
 def save_policy(model, tokenizer, path: str | Path) -> Path:
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)

@@ -11,7 +11,9 @@ Backends ("auto" takes the first available): `zygote` (fast default, root + user
 `bwrap` (the well-known reference, one bubblewrap per run), `subprocess` (plain fallback).
 `python=`/`site=`/`argv=` payloads (pytest in a venv) work on all three; on the zygote they
 take the same fresh namespaces and then exec that interpreter (the zygote restarts once per
-new interpreter to bind its prefix read-only). `doctor()` / `Sandbox.mechanisms` say which
+new interpreter to bind its prefix read-only). `program=` payloads exec any program, e.g.
+`("/bin/sh", "-c", "make test | tail -3")` (what a task's run_command becomes), with `env=` on top
+of the minimal environment; the workdir is also `/app` (zygote, bwrap). `doctor()` / `Sandbox.mechanisms` say which
 mechanism enforces each limit on this host. A failure of the sandbox itself comes back as
 `RunResult.infra_error` (never as a payload failure), so rewards never score it.
 
@@ -52,7 +54,10 @@ Not covered (know this before pointing it at anything that matters):
 - Side channels (timing, cache, Spectre-class), CPU contention between runs, and the page
   cache are shared. Memory of the zygote (the stdlib it preloaded) is shared copy-on-write
   with every run (no payload data is ever in it).
-- No /proc inside zygote runs (some tools expect it); bwrap mounts its own.
+- No /proc inside zygote runs of Python payloads; `program` runs (shell lines) get a /proc of
+  their own pid namespace (as bwrap's), and their slot uid mapped to itself in their user
+  namespace (unmapped, `seteuid(getuid())` fails and GNU make cannot start a recipe). No audit
+  hook runs in a `program`: its security_events come from the cgroup counters only.
 - The `subprocess` fallback has NO namespaces: host filesystem (as an unprivileged uid) and
   network are visible. Only for development hosts without root or user namespaces.
 - bwrap runs as root here, so its payload uid maps to root outside the user namespace:

@@ -34,7 +34,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PIDFD_GET_MNT_NAMESPACE = 0xFF03   # _IO(PIDFS_IOCTL_MAGIC, 3), Linux >= 6.11
-PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP = 36, 38, 24
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAPBSET_DROP, PR_SET_DUMPABLE = 36, 38, 24, 4
 SYS = {"x86_64": {"pivot_root": 155, "capset": 126, "keyctl": 250},
        "aarch64": {"pivot_root": 41, "capset": 91, "keyctl": 219}}[platform.machine()]
 KEYCTL_JOIN_SESSION_KEYRING = 1
@@ -124,6 +124,8 @@ def build_root(cfg):
         mount(None, f"{new}/dev/{d}", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NOEXEC)  # rw, no dev restriction
     os.symlink("/proc/self/fd", new + "/dev/fd")
     os.makedirs(new + "/tmp")
+    os.symlink("/tmp/work", new + "/app")     # the task spec's layout: /app is the run's workdir
+    os.makedirs(new + "/proc")                 # mounted per run for program payloads only (child_b)
     os.makedirs(new + "/.old")
     os.chdir(new)
     check(libc.syscall(SYS["pivot_root"], b".", b".old"), "pivot_root")
@@ -221,6 +223,9 @@ def child_b(cfg, bsock):
     if req["code"] is not None and req["exec"]:
         with open("/tmp/.main.py", "w", encoding="utf-8") as f:
             f.write(req["code"])
+    program = bool(req.get("program"))
+    if program:   # shell commands: their own /proc (this pid namespace only), as bwrap gives
+        mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     cpu = max(1, int(-(-lim["cpu_s"] // 1)))
     for res, val in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, lim["memory_mb"] << 20),
                      (resource.RLIMIT_FSIZE, lim["fsize_mb"] << 20), (resource.RLIMIT_NOFILE, lim["nofile"]),
@@ -233,17 +238,30 @@ def child_b(cfg, bsock):
                                                                        # (no channel to the next run)
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     unshare(CLONE_NEWUSER)                   # a fresh user namespace owning nothing of ours...
+    if program:
+        map_self(uid)
     drop_caps()                              # ...and no capabilities in it either
     os.chdir(work)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work, "TMPDIR": "/tmp",
            "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
     if req["exec"]:
         argv = req["argv_exec"]
+        env.update(req.get("env") or {})
         os.execve(argv[0], argv, env)
     os.environ.clear()
     os.environ.update(env)
     sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
     BOOT.run("code", [req["code"], work + "/main.py"], 3, work)
+
+
+def map_self(uid):
+    """Map the slot uid/gid to themselves in the run's fresh user namespace. Unmapped, the run's
+    ids read as 65534 and every seteuid(getuid()) fails with EINVAL: GNU make's posix_spawn
+    (POSIX_SPAWN_RESETIDS) cannot start a recipe. Needs the run's /proc."""
+    check(libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "dumpable")   # /proc/self owned by the slot uid
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{uid} {uid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
 
 
 class Zygote:

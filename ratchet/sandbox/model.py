@@ -10,6 +10,10 @@ from types import MappingProxyType
 from typing import Mapping
 
 KILLED_BY = ("wall", "cpu", "memory", "pids", "output", "fsize")
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+"""PATH inside a run unless the payload's `env` sets its own."""
+WORKDIR = "/tmp/work"
+"""The run's working directory inside the sandbox (zygote, bwrap); `/app` is a symlink to it."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,13 @@ class Payload:
     """Python source run as `__main__`, cwd = the fresh workdir."""
     argv: tuple[str, ...] = ()
     """If code is None: run `python <argv...>` in the workdir, e.g. ("-m", "pytest", "-q", "tests")."""
+    program: tuple[str, ...] = ()
+    """If code is None and argv empty: exec this program (absolute path) and arguments as they are,
+    e.g. ("/bin/sh", "-c", "make test | tail -3"); no audit hook runs in it (security_events
+    then come from the cgroup counters only). `python` still names the runtime whose prefixes
+    are mounted read-only into the run."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment variables set for the run on top of the minimal one (PATH, HOME, TMPDIR, LANG)."""
     files: Mapping[str, str | bytes] = field(default_factory=dict)
     """Written into the workdir first: relative paths, subdirectories allowed."""
     readonly_files: Mapping[str, str | bytes] = field(default_factory=dict)
@@ -63,8 +74,15 @@ class Payload:
         object.__setattr__(self, "files", _frozen_map(self.files))
         object.__setattr__(self, "readonly_files", _frozen_map(self.readonly_files))
         object.__setattr__(self, "argv", tuple(self.argv))
-        if self.code is None and not self.argv:
-            raise ValueError("Payload needs `code` or `argv`")
+        object.__setattr__(self, "program", tuple(self.program))
+        object.__setattr__(self, "env", MappingProxyType(dict(self.env or {})))
+        if self.code is None and not self.argv and not self.program:
+            raise ValueError("Payload needs `code`, `argv` or `program`")
+        if self.program and not self.program[0].startswith("/"):
+            raise ValueError(f"Payload.program must start with an absolute path, got {self.program[0]!r}")
+        for k, v in self.env.items():
+            if not (isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v):
+                raise ValueError(f"Payload.env: bad variable {k!r}={v!r}")
         if isinstance(self.stdin, str):
             object.__setattr__(self, "stdin", self.stdin.encode())
         for name in (*self.files, *self.readonly_files):
@@ -73,7 +91,7 @@ class Payload:
     @property
     def needs_exec(self) -> bool:
         """True when the payload needs its own interpreter process (not the zygote's)."""
-        return self.code is None or self.python is not None or self.site
+        return self.code is None or self.python is not None or self.site or bool(self.env)
 
     def all_files(self) -> list[tuple[str, bytes, bool]]:
         """[(relative path, content, readonly)], writable files first."""

@@ -67,7 +67,31 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
     corpus = [s.prompt + (s.reference_solution or "") for s in specs]
     tokenizer = build_tokenizer(corpus, cfg.vocab_size)
     model = build_model(cfg, tokenizer)
-    losses = sft(model, tokenizer, demonstrations(specs, cfg.sft_fraction, cfg.seed), cfg.sft_steps,
-                 cfg.sft_batch, cfg.sft_lr, seed=cfg.seed, log=log)
+    demos = demonstrations(specs, cfg.sft_fraction, cfg.seed)
+    losses = sft(model, tokenizer, demos, cfg.sft_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed, log=log)
+    for i, phase in enumerate(cfg.context_phases):
+        losses += extend_context(model, tokenizer, phase, demos, cfg, seed=cfg.seed + i + 1, log=log)
     save_policy(model, tokenizer, out_dir)
     return losses
+
+
+def extend_context(model, tokenizer, phase, demos: list[tuple[str, str]], cfg: ModelConfig, seed: int = 0,
+                   log=None) -> list[float]:
+    """One context phase (`ModelConfig.context_phases`): set the model's context to phase.seq_len
+    with its RoPE scaling, then SFT on needle-in-a-haystack retrieval sequences up to that length
+    (a `retrieval_share` of the examples) mixed with the task demonstrations, so that the longer
+    context is trained at, and the format the policy learnt is kept. Returns the losses."""
+    from ratchet.eval.niah import retrieval_examples
+    from ratchet.model import set_context
+
+    set_context(model, phase.seq_len, phase.rope_type, phase.factor, original=cfg.max_seq_len)
+    pool = max(1, min(phase.steps * phase.batch, 2048))       # examples to draw the batches from
+    n_retrieval = round(pool * phase.retrieval_share) if demos else pool
+    examples = retrieval_examples(tokenizer, n_retrieval, phase.seq_len, seed=seed)
+    if demos and n_retrieval < pool:
+        rng = random.Random(f"phase-demos:{seed}")
+        examples += [demos[rng.randrange(len(demos))] for _ in range(pool - n_retrieval)]
+    if log:
+        log(f"context phase: {phase.seq_len} positions, rope {phase.rope_type} x{phase.factor}, "
+            f"{n_retrieval}/{len(examples)} retrieval examples, {phase.steps} steps")
+    return sft(model, tokenizer, examples, phase.steps, phase.batch, cfg.sft_lr, seed=seed, log=log)

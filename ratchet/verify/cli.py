@@ -96,6 +96,7 @@ def verify_command(
     from ratchet.config import RewardConfig
     from ratchet.reward import score
     from ratchet.verify import verify_many
+    from ratchet.watch import progress_bar
 
     if format not in FORMATS:
         fail(f"unknown format {format!r}; known: {', '.join(FORMATS)}", "--format")
@@ -115,9 +116,10 @@ def verify_command(
             _err(m)
     by_id = {s.task_id: s for s in result.specs}
     good = [c for c in comp_lines if not c.errors]
-    results = dict(zip((c.line for c in good), verify_many(
-        [(by_id[c.task_id], c.completion) for c in good], verify.sandbox_limits(), verify.concurrency,
-        verify.env_error_retries)))
+    with progress_bar("verify") as progress:     # a bar on stderr when it is a terminal
+        results = dict(zip((c.line for c in good), verify_many(
+            [(by_id[c.task_id], c.completion) for c in good], verify.sandbox_limits(), verify.concurrency,
+            verify.env_error_retries, progress=progress)))
     for c in comp_lines:
         if c.errors:
             typer.echo(json.dumps({"task_id": c.task_id, "id": c.id, "line": c.line, "metrics": None, "reward": None,

@@ -17,9 +17,11 @@ Two kinds of task:
   a task's `metadata["float_tolerance"]` for floats). Tasks without dependencies
   run on the sandbox's fast isolated interpreter.
 - `run_command`: the snapshot files and overwrite_file steps go into the workdir, the hidden
-  `test_files` are placed after them read-only, and `pytest ...` / `python script.py` runs
-  with `runtime_python(env)` (None: the sandbox's host python) and its site-packages.
-  pytest's counts become tests_passed/tests_total; a script passes (1 of 1) when it exits 0.
+  `test_files` are placed after them read-only, and the command line runs under `/bin/sh -c`
+  with the bin directory of `runtime_python(env)` (None: the sandbox's host python) first on
+  PATH (`ratchet.verify.commands`). Counts from the declared report file, else pytest's output,
+  become tests_passed/tests_total; any other line passes (1 of 1) when it exits 0. A runtime
+  that lacks a program or pytest the line needs is an env_error, decided before the run.
 
 Feedback: each run's `Verification.feedback` keeps what a person needs to read a verdict: the
 exit code, which limit ended it, the tails of stdout and stderr (`feedback_bytes` each; the
@@ -38,22 +40,29 @@ import ast
 import dataclasses
 import json
 import math
+import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.runtime import resolve
-from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, RunCommand, TaskSpec
-from ratchet.verify.commands import command_argv, pytest_report
+from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, TaskSpec
+from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
+                                     runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
 from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
+from ratchet.sandbox.host import host_python
+from ratchet.sandbox.model import DEFAULT_PATH
 
 RuntimePython = Callable[[EnvironmentConfig], str]
 FEEDBACK_BYTES = 2048
 """Default bytes kept of a run's stdout and of its stderr (their tails) in `Verification.feedback`."""
 MAX_FAILED_TESTS = 20
 """Failed tests listed in the feedback (the first ones)."""
+PROGRESS_CHUNK = 8
+"""With a progress callback, verify_many runs 8 x concurrency items at a time between reports."""
 
 
 @dataclass
@@ -81,10 +90,12 @@ class Plan:
     """One sandbox run and how to read its result."""
 
     payload: Payload
-    kind: str                      # "calls" | "pytest" | "script"
+    kind: str                      # "calls" | "pytest" (one pytest command) | "shell" (any other line)
     hidden: tuple[CallTest, ...] = ()
     visible: tuple[CallTest, ...] = ()
     tolerance: float | None = None   # metadata["float_tolerance"]: how `same` compares numbers
+    command: Command | None = None   # run_command: the parsed line (its programs are checked before the run)
+    report: Report | None = None     # run_command: the report file it writes
 
 
 def canonical(js: str | None) -> str | None:
@@ -171,9 +182,19 @@ def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None =
         python = runtime_python(spec.environment_config) if runtime_python and spec.environment_config.dependencies else None
         payload = Payload(code=code, files=files, readonly_files=tests_ro, python=python, site=python is not None)
         return Plan(payload, "calls", spec.tests, visible, float_tolerance(spec))
-    kind, argv = command_argv(step.command)
     python = runtime_python(spec.environment_config) if runtime_python else None
-    return Plan(Payload(argv=argv, files=files, readonly_files=tests_ro, python=python, site=True), kind)
+    return _command_plan(step, files, tests_ro, python)
+
+
+def _command_plan(step: RunCommand, files: dict, tests_ro: dict, python: str | None) -> Plan:
+    """`/bin/sh -c LINE` with the runtime's bin directory first on PATH (its python, pytest)."""
+    report = step.report.model_copy(update={"path": workdir_path(step.report.path)}) if step.report else None
+    exe = python or host_python()
+    cmd = parse_command(step.command, json_report=report is not None and report.format == "pytest-json", python=exe)
+    env = {"PATH": f"{os.path.dirname(exe)}:{DEFAULT_PATH}", "PYTEST_ADDOPTS": " ".join(PYTEST_EXTRA)}
+    program = shell_program(cmd, exe, report.path if report else None)
+    payload = Payload(program=program, files=files, readonly_files=tests_ro, python=python, site=True, env=env)
+    return Plan(payload, cmd.kind, command=cmd, report=report)
 
 
 def build_payload(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Payload:
@@ -201,17 +222,32 @@ def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[Call
 
 
 def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
-    """(passed, total, flags) of a run_command: pytest's counts if they are coherent (commands.pytest_report)
-    and agree with its exit code (0 if and only if nothing failed; 5 when no test ran); else 0 passed, flagged."""
-    if p.kind == "script":
-        return int(res.exit_code == 0 and not res.killed_by), 1, []
-    counts, coherent = pytest_report(res.stdout)
+    """(passed, total, flags) of a run_command (rules: ratchet/verify/commands.py). pytest kind: its
+    counts (report file, else terminal output) if coherent and in agreement with its exit code (0 if
+    and only if nothing failed; 5 when no test ran) and with each other; else 0 passed, flagged.
+    Shell kind: the report's or pytest's counts, a non-zero exit despite a full pass counting as one
+    more failed test; without counts, 1 of 1 when the line exits 0."""
+    stdout, data = split_report(res.stdout) if p.report else (res.stdout, None)
+    ran_pytest = p.kind == "pytest" or (p.command is not None and p.command.pytest)
+    terminal, coherent = pytest_report(stdout, strict=p.kind == "pytest") if ran_pytest else (None, True)
+    counts = terminal
+    if p.report:
+        counts, file_ok = report_counts(data, p.report.format)
+        coherent = coherent and file_ok and (terminal is None or p.kind != "pytest" or terminal == counts)
     if counts is None:
-        return 0, 0, []
+        if p.kind == "pytest" or p.report:
+            return 0, 0, []
+        return int(res.exit_code == 0 and not res.killed_by), 1, []
     passed, total = counts["passed"], counts["passed"] + counts["failed"] + counts["errors"]
-    agrees = (res.exit_code == 0) == (total == passed) or (res.exit_code == 5 and total == 0)
-    if not coherent or not (agrees or res.killed_by):
+    if p.kind == "pytest":
+        agrees = (res.exit_code == 0) == (total == passed) or (res.exit_code == 5 and total == 0)
+        if not coherent or not (agrees or res.killed_by):
+            return 0, total, ["inconsistent_test_report"]
+        return passed, total, []
+    if not coherent:
         return 0, total, ["inconsistent_test_report"]
+    if passed == total and (res.exit_code != 0 or res.killed_by):
+        return passed, total + 1, []
     return passed, total, []
 
 
@@ -239,6 +275,7 @@ def metrics_from(spec: TaskSpec, completion: str, res: RunResult, p: Plan | None
         "format_ok": syntax_ok,
         "output_bytes": len(res.stdout) + len(res.stderr),
         "security_flags": flags,
+        "exit_code": res.exit_code,
     }
 
 
@@ -267,7 +304,7 @@ def failed_tests(p: Plan, res: RunResult) -> list[dict]:
             if not same(g, t.expected, p.tolerance):
                 shown = g if g is not None else raised.get(i, "no result (the call never ran)")
                 out.append({"name": f"call {i}", "detail": _short(f"args {t.args}: expected {t.expected}, got {shown}")})
-    elif p.kind == "pytest":
+    elif p.kind == "pytest" or (p.command is not None and p.command.pytest):
         for line in res.stdout.splitlines():
             m = _PYTEST_FAILED.match(line.strip())
             if m:
@@ -275,7 +312,7 @@ def failed_tests(p: Plan, res: RunResult) -> list[dict]:
     elif res.exit_code != 0 or res.killed_by:
         last = next((ln.strip() for ln in reversed(res.stderr.splitlines()) if ln.strip()), "")
         why = f"killed by the {res.killed_by} limit" if res.killed_by else f"exit {res.exit_code}"
-        out.append({"name": " ".join(p.payload.argv or ()), "detail": _short(f"{why}" + (f": {last}" if last else ""))})
+        out.append({"name": p.command.line if p.command else " ".join(p.payload.argv), "detail": _short(f"{why}" + (f": {last}" if last else ""))})
     return out[:MAX_FAILED_TESTS]
 
 
@@ -294,6 +331,8 @@ def feedback_from(p: Plan, res: RunResult, limit: int = FEEDBACK_BYTES) -> dict:
     stdout = res.stdout
     if p.kind == "calls":       # the result lines are in failed_tests; keep what the completion printed
         stdout = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith(MARK + "\t"))
+    elif p.report:              # the report file's encoded copy is not output anyone wrote
+        stdout = split_report(stdout)[0]
     return {"exit_code": res.exit_code, "killed_by": res.killed_by, "timed_out": res.timed_out,
             "stdout_tail": tail(stdout, limit), "stderr_tail": tail(res.stderr or res.infra_error or "", limit),
             "failed_tests": failed_tests(p, res) if res.infra_error is None else []}
@@ -303,14 +342,7 @@ def empty_metrics(spec: TaskSpec) -> dict:
     """Metrics of an empty completion, which is not run: nothing passed, nothing well-formed."""
     return {"test_pass_rate": 0.0, "tests_passed": 0, "tests_total": len(spec.tests), "syntax_ok": False,
             "execution_time_ms": 0.0, "peak_memory_mb": 0.0, "timed_out": False, "format_ok": False,
-            "output_bytes": 0, "security_flags": []}
-
-
-def _runtime_missing(p: Plan, res: RunResult) -> str | None:
-    """An env_error kind when the runtime lacks pytest (the task's environment, not the model)."""
-    if p.kind == "pytest" and res.exit_code == 1 and not res.stdout.strip() and "No module named pytest" in res.stderr:
-        return f"runtime: pytest is not installed for {p.payload.python}"
-    return None
+            "output_bytes": 0, "security_flags": [], "exit_code": None}
 
 
 def _env_error(kind: str, message: str) -> Verification:
@@ -323,11 +355,13 @@ def _plan_or_verdict(spec: TaskSpec, completion: str, runtime_python: RuntimePyt
     if is_empty(completion):
         return Verification(metrics=empty_metrics(spec))
     try:
-        return plan(spec, completion, runtime_python)
+        p = plan(spec, completion, runtime_python)
     except ValueError as e:
         return _env_error("task", str(e))
     except Exception as e:  # the runtime resolver failed: an environment problem
         return _env_error("runtime", f"{type(e).__name__}: {e}")
+    problem = p.command and runtime_problem(p.command, p.payload.python or host_python(), p.payload.env["PATH"])
+    return Verification(metrics={}, env_error=True, env_error_kind=problem[:300]) if problem else p
 
 
 def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int,
@@ -351,28 +385,30 @@ def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult, feedback_
     feedback = feedback_from(p, res, feedback_bytes)
     if res.infra_error is not None:
         return dataclasses.replace(_env_error("sandbox", res.infra_error), feedback=feedback)
-    missing = _runtime_missing(p, res)
-    if missing:
-        return Verification(metrics={}, env_error=True, env_error_kind=missing, feedback=feedback)
     return Verification(metrics=metrics_from(spec, completion, res, p), feedback=feedback)
 
 
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
                 runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES,
-                executor=None) -> list[Verification]:
+                progress: Callable[[int, int], None] | None = None, executor=None) -> list[Verification]:
     """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
     `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
     a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
     for run_command tasks; check_calls tasks without dependencies always use the fast isolated one).
     `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`).
+    `progress(done, total)`, if given, is called as items finish (last with done == total == len(items));
+    the runs then go in chunks of PROGRESS_CHUNK x concurrency.
     `executor`: where the sandbox runs execute (`ratchet.scale.executor_for(cfg.verify)`; None: this process)."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
     todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
     plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
-    results = _run_with_retries(plans, limits, concurrency, retries, executor) if plans else {}
+    if progress is not None:
+        results = _run_reporting(plans, keys, limits, concurrency, retries, progress, executor)
+    else:
+        results = _run_with_retries(plans, limits, concurrency, retries, executor) if plans else {}
     done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k], feedback_bytes)
             for k, v in todo.items()}
     return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind, _copy(done[k].feedback))
@@ -381,6 +417,21 @@ def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
 
 def _copy(feedback: dict | None) -> dict | None:
     return None if feedback is None else {**feedback, "failed_tests": [dict(t) for t in feedback["failed_tests"]]}
+
+
+def _run_reporting(plans: dict, keys: list, limits: Limits | None, concurrency: int | None, retries: int,
+                   progress: Callable[[int, int], None], executor=None) -> dict:
+    """`_run_with_retries` in chunks, reporting progress(done, total) over every item (duplicates too)."""
+    per_key, order, results = Counter(keys), list(plans), {}
+    finished = len(keys) - sum(per_key[k] for k in order)    # known without a run: empty completions, task errors
+    progress(finished, len(keys))
+    size = PROGRESS_CHUNK * (concurrency or 2)
+    for i in range(0, len(order), size):
+        chunk = order[i:i + size]
+        results.update(_run_with_retries({k: plans[k] for k in chunk}, limits, concurrency, retries, executor))
+        finished += sum(per_key[k] for k in chunk)
+        progress(finished, len(keys))
+    return results
 
 
 def _cached(resolve: RuntimePython) -> RuntimePython:

@@ -38,3 +38,55 @@ def test_nightly_form_has_descriptions(monkeypatch):
     missing = [f"{name}.{field}" for name, d in definitions.items()
                for field, prop in d.get("properties", {}).items() if "description" not in prop]
     assert definitions and missing == []
+
+
+SPEC = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())
+FLOWS = sorted({d["entrypoint"] for d in DEPLOYMENTS})
+
+
+def _descriptions(node, path=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "description" and isinstance(value, str):
+                yield path, value
+            else:
+                yield from _descriptions(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _descriptions(value, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("entrypoint", FLOWS)
+def test_form_descriptions_render_as_written(entrypoint, monkeypatch):
+    """The UI renders descriptions as HTML: `envs/<family>/<version>/` showed as `envs///`."""
+    monkeypatch.chdir(ROOT)
+    schema = load_flow_from_entrypoint(entrypoint).parameters.model_dump()
+    found = list(_descriptions(schema))
+    assert len(found) > 5
+    assert [f"{path}: {text}" for path, text in found if "<" in text or ">" in text] == []
+
+
+def _deployment(name: str) -> dict:
+    [d] = [d for d in DEPLOYMENTS if d["name"] == name]
+    return d
+
+
+def test_the_scheduled_audit_feeds_the_scheduled_nightly():
+    """audit-envs and produce-envs use the nightly's own store, envs, audit and verify sections
+    (validated, so a spelled-out default equals an omitted one), and the audit runs first."""
+    from ratchet.config import NightlyConfig
+
+    nightly = NightlyConfig.model_validate(_deployment("nightly")["parameters"]["cfg"])
+    for name, sections in (("audit-envs", ("store", "envs", "audit", "verify")), ("produce-envs", ("store", "envs"))):
+        params = _deployment(name)["parameters"]
+        for section in sections:
+            value = getattr(nightly, section)
+            assert type(value).model_validate(params.get(section, {})) == value, f"{name}: {section}"
+    assert nightly.store.uri.startswith("s3://")
+
+    def hour(name):
+        [schedule] = _deployment(name)["schedules"]
+        minute, h, *rest = schedule["cron"].split()
+        assert rest == ["*", "*", "*"] and schedule["timezone"] == "UTC"
+        return int(h) * 60 + int(minute)
+    assert hour("audit-envs") < hour("nightly")

@@ -14,8 +14,9 @@ from pydantic import ValidationError
 
 from envs.importers import default_split
 from envs.sources import (SourceError, check_sources, curriculum_for, default_curriculum, import_source, interleave,
-                          parse_source, pass_rates_by_source, read_source, save_source, source_name)
+                          parse_source, read_source, save_source, source_name)
 from ratchet.config import CleanConfig, EnvsConfig
+from ratchet.eval.report import pass_rates_by_source
 from ratchet.data.schemas import tasks_frame
 from ratchet.store import open_store
 

@@ -51,6 +51,9 @@ def test_summary_and_store_layout(first_run):
         assert trained.drop("advantage", "token_advantages").equals(scored.drop("advantage", "token_advantages"))
         assert trained["advantage"].is_not_null().sum() == summary["history"][step]["train_samples"]
     assert [("heldout_pass_rate" in h) for h in summary["history"]] == [False, True, False]   # eval.every=2
+    speed = {"rollout_tokens_per_s", "sandbox_p50_ms", "sandbox_p95_ms", "staleness", "reward_std", "pass_rate"}
+    assert all(speed <= set(h) and h["staleness"] == 0 and h["rollout_tokens_per_s"] > 0 for h in summary["history"])
+    assert len(store.list("runs/r1/tensorboard/")) == 3 and store.exists("runs/r1/plots/curves.png")
     latest = store.get_pointer("runs/r1/checkpoints/LATEST")
     ledger = json.loads(store.get_bytes(latest.sibling("ledger.json")))
     assert ledger["version"] == 3 and ledger["consumed_waves"] == [0, 1, 2]

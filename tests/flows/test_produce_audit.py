@@ -44,6 +44,8 @@ def test_produce_then_audit(prefect_harness, tmp_path):
     assert lineage["counts"]["train"]["kept"] == 40 and lineage["seed"] == 0
     assert {"audit-python-functions", "audit-python-functions-details"} <= _artifact_keys()
     assert result.regression is None                                    # first version of the family
+    [runtime] = st.list("envs/runtimes/")                               # the one runtime, built before the audit
+    assert st.get_json(runtime)["runtime"] == "python3.11" and st.get_json(runtime)["error"] is None
 
     # a second version (one more difficulty level: the shared tasks keep their ids), audited with a
     # runtime budget nobody meets: the regression audit lists the tasks whose verdict changed, and

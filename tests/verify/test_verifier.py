@@ -12,7 +12,7 @@ from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RewardLogic, RunCom
 from ratchet.config import RewardConfig
 from ratchet.reward import score
 from ratchet.verify import verify_many
-from ratchet.verify.commands import PYTEST_EXTRA, command_argv, json_report_counts, pytest_counts, pytest_report
+from ratchet.verify.commands import json_report_counts, parse_command, pytest_counts, pytest_report
 from ratchet.data.schemas import METRICS
 from ratchet.verify.verifier import Plan, _command_passed
 from ratchet.sandbox import Payload, RunResult
@@ -42,22 +42,23 @@ def runs():
     return dict(zip(["pytest_good", "pytest_half", "pytest_broken", "script_good", "script_half"], verify_many(items)))
 
 
-# --- commands -> argv -----------------------------------------------------------------------------
+# --- commands -> the sandbox's line ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("command, expected", [
-    ("pytest -q /app/tests/ --json-report", ("pytest", ("-m", "pytest", "-q", "tests/", *PYTEST_EXTRA))),
-    ("python -m pytest tests --rootdir=/app", ("pytest", ("-m", "pytest", "tests", "--rootdir=.", *PYTEST_EXTRA))),
-    ("python3.11 /app/check.py --n 3", ("script", ("check.py", "--n", "3"))),
-    ("/usr/bin/python3 check.py", ("script", ("check.py",))),
+    ("pytest -q /app/tests/ --json-report", ("pytest", "python3 -m pytest -q tests/")),
+    ("python -m pytest tests --rootdir=/app", ("pytest", "python -m pytest tests --rootdir=.")),
+    ("python3.11 /app/check.py --n 3", ("shell", "python3.11 /app/check.py --n 3")),     # /app is the workdir
+    ("make test", ("shell", "make test")),
 ])
-def test_command_argv(command, expected):
-    assert command_argv(command) == expected
+def test_parse_command_kinds(command, expected):
+    cmd = parse_command(command)
+    assert (cmd.kind, cmd.line) == expected
 
 
-@pytest.mark.parametrize("command", ["bash run.sh", "make test", "python", "   "])
-def test_unsupported_commands_are_named(command):
+@pytest.mark.parametrize("command", ["   ", "echo 'unclosed"])
+def test_unparseable_commands_are_named(command):
     with pytest.raises(ValueError, match="run_command"):
-        command_argv(command)
+        parse_command(command)
 
 
 # --- pytest output -> counts --------------------------------------------------------------------------
@@ -142,10 +143,10 @@ def test_runtime_python_can_be_a_venv():
 
 def test_misconfigured_task_is_an_env_error_not_a_model_failure():
     two_steps = PYTEST.model_copy(update={"task_id": "two", "execution_steps": (*PYTEST.execution_steps, CheckCalls(entry_point="f"))})
-    bash = task("bash run.sh", task_id="bash")
-    [a, b] = verify_many([(two_steps, GOOD), (bash, GOOD)])
+    unclosed = task("python 'check.py", task_id="unclosed")
+    [a, b] = verify_many([(two_steps, GOOD), (unclosed, GOOD)])
     assert a.env_error and a.env_error_kind.startswith("task: task two: expected exactly one check_calls or run_command")
-    assert b.env_error and "only python and pytest commands" in b.env_error_kind
+    assert b.env_error and "cannot parse the command line" in b.env_error_kind
 
 
 def _result(stdout, exit_code, killed_by=None):
@@ -170,7 +171,7 @@ def test_command_passed_checks_the_exit_code(stdout, exit_code, expected):
 
 
 def test_script_passes_only_on_clean_exit():
-    p = Plan(Payload(argv=("check.py",)), "script")
+    p = Plan(Payload(program=("/bin/sh", "-c", "python check.py")), "shell", command=parse_command("python check.py"))
     assert _command_passed(p, _result("", 0)) == (1, 1, [])
     assert _command_passed(p, _result("", 1)) == (0, 1, [])
     assert _command_passed(p, _result("", 0, killed_by="output")) == (0, 1, [])

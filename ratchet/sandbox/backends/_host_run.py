@@ -12,12 +12,12 @@ import time
 
 from .. import host, lease
 from .._io import Pump, build_result
-from ..model import Limits, Payload, RunResult
+from ..model import DEFAULT_PATH, Limits, Payload, RunResult
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 BOOT_SRC = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_boot.py")).read()
-ENV_PATH = "/usr/local/bin:/usr/bin:/bin"
+ENV_PATH = DEFAULT_PATH
 
 
 def set_rlimits(limits: Limits, nproc: bool) -> None:
@@ -61,7 +61,10 @@ def write_tree(root: str, payload: Payload, uid: int) -> None:
 
 def interpreter_argv(payload: Payload, ev_fd: int, workdir: str, codefile: str,
                      python: str | None = None) -> list[str]:
-    """[python, flags..., -c BOOT, ...]: the boot reports events, then runs the payload."""
+    """[python, flags..., -c BOOT, ...]: the boot reports events, then runs the payload.
+    A `program` payload is exec'd as it is (no boot, no audit hook)."""
+    if payload.code is None and not payload.argv:
+        return list(payload.program)
     python = python or payload.python or host.host_python()
     flags = ["-I"] + ([] if payload.site else ["-S"])
     if payload.code is not None:
@@ -71,8 +74,9 @@ def interpreter_argv(payload: Payload, ev_fd: int, workdir: str, codefile: str,
     return [python, *flags, *payload.argv]  # other interpreter flags: run as given, no boot
 
 
-def minimal_env(workdir: str, tmp: str) -> dict[str, str]:
-    return {"PATH": ENV_PATH, "HOME": workdir, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+def minimal_env(workdir: str, tmp: str, payload: Payload | None = None) -> dict[str, str]:
+    env = {"PATH": ENV_PATH, "HOME": workdir, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+    return {**env, **(payload.env if payload is not None else {})}
 
 
 class HostRunSlot:
@@ -94,7 +98,9 @@ class HostRunSlot:
         """(argv, env); the child starts in `workdir`. Subclasses wrap it (bwrap)."""
         python, self._drop = self.python_for(payload)
         argv = interpreter_argv(payload, ev_fd, workdir, os.path.join(base, "main.py"))
-        return [python, *argv[1:]], minimal_env(workdir, os.path.join(base, "tmp"))
+        if payload.program and payload.code is None and not payload.argv:
+            return argv, minimal_env(workdir, os.path.join(base, "tmp"), payload)
+        return [python, *argv[1:]], minimal_env(workdir, os.path.join(base, "tmp"), payload)
 
     def python_for(self, payload: Payload) -> tuple[str, bool]:
         """(interpreter, drop_uid): as root, an interpreter the slot uid cannot reach (under a
@@ -198,7 +204,7 @@ class HostRunSlot:
             events.append("daemon_left")
         self.after_run()
         pump.read_available()
-        spawned = "process_spawn" in pump.events() or "-c" not in argv
+        spawned = "process_spawn" in pump.events() or "-c" not in argv or bool(payload.program)
         if self._drop and (spawned or events):
             host.sweep_uid(self.uid)         # anything that left the session (a fork per sweep)
         if not pump.drain():

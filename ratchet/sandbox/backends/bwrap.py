@@ -42,7 +42,7 @@ class BwrapSlot(HostRunSlot):
                 args += ["--ro-bind", prefix, prefix]
         if os.path.exists("/etc/ld.so.cache"):
             args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-        args += ["--bind", workdir, "/tmp/work"]
+        args += ["--bind", workdir, "/tmp/work", "--symlink", "/tmp/work", "/app"]
         for rel in payload.readonly_files:
             rel = os.path.normpath(rel)
             args += ["--ro-bind", os.path.join(workdir, rel), os.path.join("/tmp/work", rel)]
@@ -51,7 +51,7 @@ class BwrapSlot(HostRunSlot):
         args += ["--remount-ro", "/", "--chdir", "/tmp/work", "--"]
         self._drop = False     # bwrap itself needs root to reach the interpreter; see docstring
         argv = interpreter_argv(payload, ev_fd, "/tmp/work", "/tmp/.main.py", python=python)
-        return args + argv, minimal_env("/tmp/work", "/tmp")
+        return args + argv, minimal_env("/tmp/work", "/tmp", payload)
 
     def translate_status(self, status: int) -> int:
         """bwrap exits 128+N when its child died of signal N: give back a signal status."""

@@ -116,6 +116,8 @@ class ZygoteSlot:
                "code": payload.code, "exec": payload.needs_exec}
         if payload.needs_exec:
             req["argv_exec"] = interpreter_argv(payload, 3, "/tmp/work", "/tmp/.main.py")
+            req["env"] = dict(payload.env)
+            req["program"] = bool(payload.program) and payload.code is None and not payload.argv
         body = json.dumps(req).encode()
         inline = body if len(body) <= INLINE_MAX else b""
         self.error = None

@@ -1,0 +1,94 @@
+"""deploy/ agrees with itself: one set of work-pool names in prefect.yaml, docker-compose,
+k8s and the README, a worker for every pool in each, the settings every worker needs, a GPU
+for the trainer, and an image that carries no local environment or store."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+PREFECT = yaml.safe_load((DEPLOY / "prefect.yaml").read_text())
+POOLS = {d["work_pool"]["name"] for d in PREFECT["deployments"]}
+COMPOSE = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+K8S = [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+WORKER_SETTINGS = {"PREFECT_API_URL", "RATCHET_HOME", "RATCHET_S3_ENDPOINT", "RATCHET_S3_SECURE"}
+POOL_ARG = re.compile(r"(?:--pool|work-pool create)['\",\s]+([A-Za-z0-9_-]+)")   # also `"--pool", "x"` in a list
+
+
+def _pool(command: str | list[str]) -> str | None:
+    found = POOL_ARG.findall(command if isinstance(command, str) else " ".join(command))
+    return found[0] if found else None
+
+
+def _compose_workers() -> dict[str, dict]:
+    return {_pool(s["command"]): s for s in COMPOSE.values() if "worker start" in str(s.get("command"))}
+
+
+def _k8s_workers() -> dict[str, dict]:
+    out = {}
+    for doc in K8S:
+        if doc["kind"] == "Deployment":
+            [container] = doc["spec"]["template"]["spec"]["containers"]
+            out[_pool(container["command"])] = doc
+    return out
+
+
+def test_one_pool_naming_everywhere():
+    assert POOLS == {"ratchet-cpu", "ratchet-trainer"}
+    readme = (DEPLOY / "README.md").read_text()
+    named = {
+        "docker-compose.yml": set(POOL_ARG.findall((DEPLOY / "docker-compose.yml").read_text())),
+        "k8s": {p for path in (DEPLOY / "k8s").glob("*.yaml") for p in POOL_ARG.findall(path.read_text())},
+        "README.md": set(POOL_ARG.findall(readme)),
+    }
+    assert {where: pools for where, pools in named.items() if pools != POOLS} == {}
+    assert set(_compose_workers()) == POOLS and set(_k8s_workers()) == POOLS   # a worker for every pool
+    for pool in POOLS:   # the README starts a worker for each pool, and says what runs there
+        assert re.search(rf"worker start --pool {pool}\b", readme), pool
+
+
+def test_every_worker_has_its_settings():
+    for pool, service in _compose_workers().items():
+        assert WORKER_SETTINGS | {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(service["environment"]), pool
+        assert service["environment"]["RATCHET_HOME"] == "/opt/ratchet", pool
+    config = {doc["metadata"]["name"]: doc["data"] for doc in K8S if doc["kind"] == "ConfigMap"}
+    for pool, deployment in _k8s_workers().items():
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        env = {}
+        for source in container["envFrom"]:
+            if "configMapRef" in source:
+                env.update(config[source["configMapRef"]["name"]])
+        assert WORKER_SETTINGS <= set(env) and env["RATCHET_HOME"] == "/opt/ratchet", pool
+        assert any("secretRef" in source for source in container["envFrom"]), pool   # the S3 credentials
+    assert "ENV RATCHET_HOME=/opt/ratchet" in (DEPLOY / "Dockerfile").read_text()
+    assert "WORKDIR /opt/ratchet" in (DEPLOY / "Dockerfile").read_text()
+
+
+def test_the_trainer_gets_a_gpu_and_the_cpu_workers_the_sandbox_runtime():
+    [device] = _compose_workers()["ratchet-trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["count"] >= 1
+    assert "deploy" not in _compose_workers()["ratchet-cpu"]
+    trainer = _k8s_workers()["ratchet-trainer"]["spec"]["template"]["spec"]
+    assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    cpu = _k8s_workers()["ratchet-cpu"]["spec"]["template"]["spec"]
+    [runtime] = [doc for doc in K8S if doc["kind"] == "RuntimeClass"]
+    assert cpu["runtimeClassName"] == runtime["metadata"]["name"]
+
+
+def test_compose_registers_the_deployments_before_the_workers_start():
+    register = COMPOSE["register"]
+    command = " ".join(register["command"])
+    assert "deploy --prefect-file deploy/prefect.yaml --all" in command
+    assert set(POOL_ARG.findall(command)) == POOLS
+    for service in _compose_workers().values():
+        assert service["depends_on"]["register"] == {"condition": "service_completed_successfully"}
+
+
+def test_the_image_carries_no_local_environment_store_or_history():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".venv", ".ratchet", ".git"} <= ignored

@@ -1,0 +1,103 @@
+"""A deployment run's settings: the deep merge of a partial override, the store checked before
+any work, and the pull step of deploy/prefect.yaml that names RATCHET_HOME when it is missing.
+(The merge inside a real deployment run: tests/deploy/test_server.py.)"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ratchet.config import EnvsConfig, NightlyConfig, StoreConfig, deep_merge
+from ratchet.preflight import SettingsError
+
+ROOT = Path(__file__).resolve().parents[2]
+PULL = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())["pull"]
+
+
+def test_deep_merge_keeps_what_the_override_does_not_name():
+    deployment = {"cfg": {"steps": 100, "store": {"uri": "s3://ratchet/prod"}, "eval": {"min_gain": 0.01, "n_tasks": 300}}}
+    run = {"cfg": {"steps": 10, "eval": {"n_tasks": 12}}}
+    assert deep_merge(deployment, run) == {
+        "cfg": {"steps": 10, "store": {"uri": "s3://ratchet/prod"}, "eval": {"min_gain": 0.01, "n_tasks": 12}}}
+    assert deployment["cfg"]["steps"] == 100 and deployment["cfg"]["eval"]["n_tasks"] == 300   # not modified
+    assert run == {"cfg": {"steps": 10, "eval": {"n_tasks": 12}}}
+
+
+def test_deep_merge_replaces_lists_scalars_and_none():
+    base = {"envs": {"families": ["a", "b"], "family_config": {"a": {"n": 1}}}, "model": {"path": "/m"}, "x": {"y": 1}}
+    over = {"envs": {"families": ["c"], "family_config": {"a": {"k": 2}}}, "model": {"path": None}, "x": 5}
+    assert deep_merge(base, over) == {
+        "envs": {"families": ["c"], "family_config": {"a": {"n": 1, "k": 2}}}, "model": {"path": None}, "x": 5}
+    assert deep_merge({"a": 1}, {}) == {"a": 1} and deep_merge({}, {"a": {"b": 1}}) == {"a": {"b": 1}}
+
+
+def test_a_partial_override_validates_to_the_deployment_settings():
+    deployment = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())
+    [nightly] = [d for d in deployment["deployments"] if d["name"] == "nightly"]
+    cfg = NightlyConfig.model_validate(deep_merge(nightly["parameters"]["cfg"], {"steps": 10}))
+    assert cfg.steps == 10 and cfg.store.uri == "s3://ratchet/prod" and cfg.eval.min_gain == 0.01
+    shallow = NightlyConfig.model_validate({"steps": 10})        # what Prefect alone would run
+    assert shallow.store.uri != cfg.store.uri and shallow.eval.min_gain != cfg.eval.min_gain
+
+
+@pytest.fixture
+def no_s3(monkeypatch):
+    for var in ("RATCHET_S3_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_the_flows_name_a_missing_s3_setting_before_any_work(no_s3, tmp_path, monkeypatch):
+    """A worker without the S3 settings: one error naming them, from each flow, nothing written."""
+    from flows.audit_envs import audit_envs_flow
+    from flows.nightly import nightly
+    from flows.produce_envs import produce_envs_flow
+
+    monkeypatch.chdir(tmp_path)
+    store = StoreConfig(uri="s3://ratchet/prod")
+    for run in (lambda: nightly.fn(NightlyConfig(store=store)),
+                lambda: audit_envs_flow.fn(store=store),
+                lambda: produce_envs_flow.fn(EnvsConfig(), store)):
+        with pytest.raises(SettingsError) as e:
+            run()
+        assert e.value.problems == [
+            "store.uri 's3://ratchet/prod': set RATCHET_S3_ENDPOINT=host:port (RATCHET_S3_SECURE=0 for plain http)",
+            "store.uri 's3://ratchet/prod': credentials unset: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _pull(monkeypatch, home: str | None):
+    """Call deploy/prefect.yaml's pull steps as a worker's flow-run process does (Prefect's
+    run_step: import the step by name, call it with its inputs; the templating it does first
+    needs an API and has nothing to resolve here)."""
+    from prefect.utilities.importtools import import_object
+
+    monkeypatch.chdir("/")
+    if home is None:
+        monkeypatch.delenv("RATCHET_HOME", raising=False)
+    else:
+        monkeypatch.setenv("RATCHET_HOME", home)
+    out = {}
+    for step in PULL:
+        [(name, inputs)] = step.items()
+        out.update(import_object(name)(**inputs))
+    return out
+
+
+def test_pull_step_without_ratchet_home_names_it(monkeypatch):
+    with pytest.raises(SettingsError, match="^RATCHET_HOME is not set on this worker: set it to the ratchet checkout"):
+        _pull(monkeypatch, None)
+    assert os.getcwd() == "/"
+
+
+def test_pull_step_with_a_wrong_ratchet_home_names_it(monkeypatch, tmp_path):
+    with pytest.raises(SettingsError, match=f"^RATCHET_HOME='{tmp_path}' is not a ratchet checkout"):
+        _pull(monkeypatch, str(tmp_path))
+    assert os.getcwd() == "/"
+
+
+def test_pull_step_enters_ratchet_home(monkeypatch):
+    out = _pull(monkeypatch, str(ROOT))
+    assert out["directory"] == str(ROOT) and Path.cwd() == ROOT
