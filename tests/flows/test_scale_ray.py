@@ -26,7 +26,7 @@ def tiny_cycle(cfg: NightlyConfig):
     policy = bootstrap_policy("ray-run", cfg, train)
     waves = []
     for step in range(2):
-        wave = rollout_wave(policy, step, train, cfg)
+        wave, _ = rollout_wave(policy, step, train, cfg)
         scored, stats = score_wave(wave, train, cfg)          # sandbox runs: Ray tasks on the worker nodes
         policy, _ = train_epoch(policy, scored, cfg)           # the session: here
         waves.append(stats)
