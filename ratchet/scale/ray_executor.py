@@ -19,8 +19,10 @@ on a path every node shares.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+from collections.abc import Mapping
 from typing import Sequence
 
 from ratchet.sandbox import Limits, Payload, RunResult, lease, run_many
@@ -48,17 +50,16 @@ def connect(address: str) -> None:
                 f"start sandbox workers with `ray start --address ... --resources '{{\"{RESOURCE}\": N}}'`")
 
 
-def _wire(p: Payload) -> tuple:
-    """A payload as plain data (its read-only mappings do not pickle)."""
-    return (p.code, p.argv, dict(p.files), dict(p.readonly_files), p.stdin, p.python, p.site)
+def _wire(p: Payload) -> dict:
+    """A payload as plain data, every field (its read-only mappings do not pickle)."""
+    return {f.name: dict(v) if isinstance(v := getattr(p, f.name), Mapping) else v for f in dataclasses.fields(p)}
 
 
-def _unwire(w: tuple) -> Payload:
-    code, argv, files, ro, stdin, python, site = w
-    return Payload(code=code, argv=argv, files=files, readonly_files=ro, stdin=stdin, python=python, site=site)
+def _unwire(w: dict) -> Payload:
+    return Payload(**w)
 
 
-def run_chunk(wired: list[tuple], limits: Limits | None, concurrency: int) -> tuple[str, list[RunResult], dict]:
+def run_chunk(wired: list[dict], limits: Limits | None, concurrency: int) -> tuple[str, list[RunResult], dict]:
     """On a node: run a chunk through this process's sandbox; (node id, results, lease counts)."""
     import ray
 

@@ -83,3 +83,17 @@ def test_stateful_stages_stay_in_the_flow_process():
     assert offloaded == []
     called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
     assert stateful <= called
+
+
+def test_every_payload_field_travels_to_the_nodes():
+    import dataclasses
+    import pickle
+
+    from ratchet.sandbox import Payload
+    from ratchet.scale.ray_executor import _unwire, _wire
+
+    p = Payload(program=("/bin/sh", "-c", "make test"), env={"A": "1"}, files={"a.py": "x"},
+                readonly_files={"tests/t.py": b"y"}, stdin=b"in", python="/usr/bin/python3", site=True)
+    assert all(getattr(p, f.name) not in (None, (), {}, b"", False) or f.name in ("code", "argv")
+               for f in dataclasses.fields(Payload))                         # a new field must be set here too
+    assert _unwire(pickle.loads(pickle.dumps(_wire(p)))) == p
