@@ -2,6 +2,7 @@
 
     ratchet run [--steps N] [--run-id ID] [--store URI] [--config FILE.json]   the nightly cycle
                 [--tasks FILE.jsonl ...]                                          + your own task sets
+                [--model DIR]                                                     + your own model
     ratchet sandbox run FILE [--json] | ratchet sandbox doctor                  the sandbox
     ratchet envs import FILE --format taskspec|humaneval                         user task specs
     ratchet verify --tasks T.jsonl --completions C.jsonl                         score any model's outputs
@@ -31,7 +32,7 @@ import typer
 from pydantic import ValidationError
 
 from ratchet.cli_errors import OneLineErrors, fail, message, read_text
-from ratchet.config import NightlyConfig, StoreConfig, describe
+from ratchet.config import ModelConfig, NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
 from ratchet.eval_cli import app as eval_app
@@ -81,9 +82,11 @@ def run(
     config: Optional[Path] = typer.Option(None, help="JSON file of NightlyConfig fields (overrides)."),
     tasks: Optional[list[str]] = typer.Option(None, "--tasks", help="A task file to train on beside the families "
                                               "(.jsonl, .jsonl.gz, .parquet; repeatable): adds to envs.sources."),
+    model: Optional[str] = typer.Option(None, "--model", metavar="DIR",
+                                        help=f"{describe(ModelConfig, 'path')} Sets model.path."),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
-    cfg = _settings(config, steps, run_id, store)
+    cfg = _settings(config, steps, run_id, store, model)
     cfg = _with_sources(cfg, tasks or [], config)
     from ratchet.preflight import SettingsError, require
 
@@ -131,7 +134,8 @@ def run(
     print(json.dumps({k: summary[k] for k in SUMMARY_KEYS}), flush=True)
 
 
-def _settings(config: Path | None, steps: int | None, run_id: str | None, store: str | None) -> NightlyConfig:
+def _settings(config: Path | None, steps: int | None, run_id: str | None, store: str | None,
+              model: str | None = None) -> NightlyConfig:
     """The run's NightlyConfig from --config and the options; fail (exit 2) naming each bad field."""
     fields = {}
     if config is not None:
@@ -147,6 +151,9 @@ def _settings(config: Path | None, steps: int | None, run_id: str | None, store:
             fields[name] = value
     if store is not None:
         fields["store"] = {"uri": store}
+    if model is not None:
+        section = fields.get("model")
+        fields["model"] = {**(section if isinstance(section, dict) else {}), "path": model}
     try:
         return NightlyConfig.model_validate(fields)
     except ValidationError as e:

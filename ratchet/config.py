@@ -144,6 +144,20 @@ class ModelConfig(Frozen):
         0.35, gt=0, le=1.0, description="Fraction of the training tasks whose reference solutions are SFT demonstrations."
     )
     seed: int = Field(0, ge=0, description="Seed for weight initialisation and SFT.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the policy, the rollout engine and the trainer run: auto = CUDA when a GPU is "
+        "visible (cuda:LOCAL_RANK under a launcher), else CPU. DeepSpeed always uses its accelerator's device.",
+    )
+    dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32", description="Dtype of the policy's weights in memory. float32: fp32 weights and optimizer (with "
+        "train.bf16, bf16 autocast on CUDA); bfloat16: weights held and updated in bf16 (half the memory, lossier "
+        "updates); auto: the dtype named in the model directory's config.json.",
+    )
+    chat_template: Literal["auto", "on", "off"] = Field(
+        "auto", description="Wrap each task prompt in the tokenizer's chat template as one user turn, with the "
+        "assistant's generation prompt. auto: when the tokenizer has a template (instruct models), off for the "
+        "embedded model (it has none); on: required (an error without one); off: the plain prompt text.",
+    )
     context_phases: tuple[ContextPhase, ...] = Field(
         (), description="Embedded model: context extension after the warm start, phase by phase (train short, then "
         "longer with RoPE scaling), e.g. [{\"seq_len\": 256, \"steps\": 200}, {\"seq_len\": 1024, \"steps\": 100, "

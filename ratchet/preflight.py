@@ -13,7 +13,10 @@ show up minutes (or waves) later, found in a second and reported all at once.
   a few seconds (no retries), the bucket exists or can be created (a missing bucket is
   created here: open_store would do it a moment later, and trying is the only way to know);
 - run_id: letters, digits, '._-', no '..', at most 128 characters;
-- model.path: a Hugging Face model directory (config.json inside);
+- model.path: a Hugging Face causal LM directory: config.json (JSON, a model_type, a *ForCausalLM
+  architecture when it names one), weights, tokenizer files, a chat template if chat_template is
+  "on", and a context (max_position_embeddings) that holds model.max_seq_len and the completions;
+- model.device "cuda": a GPU is visible;
 - envs: every family is registered; version is one store key component; every task source
   (`envs.sources`) can be read and has at least one good task line (an s3:// source must lie in
   the store; it is read when the run imports it);
@@ -26,6 +29,7 @@ No Prefect is imported here, and nothing but a missing S3 bucket is ever created
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -159,20 +163,71 @@ def _s3_reach(uri: str, bucket: str) -> list[str]:
 def _model(cfg: NightlyConfig) -> list[str]:
     m, problems = cfg.model, []
     if m.path:
-        p = Path(m.path).expanduser()
-        if not p.exists():
-            problems.append(f"model.path {m.path!r}: no such directory")
-        elif not p.is_dir():
-            problems.append(f"model.path {m.path!r}: not a directory (a Hugging Face model directory is expected)")
-        elif not (p / "config.json").is_file():
-            problems.append(f"model.path {m.path!r}: no config.json, so not a Hugging Face model directory")
+        problems += check_model_dir(m.path, cfg)
     elif m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2:
         problems.append(f"model.hidden_size {m.hidden_size} must split into model.num_heads {m.num_heads} heads "
                         "of an even size (rotary embeddings)")
     if cfg.rollout.max_new_tokens >= m.max_seq_len:
         problems.append(f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
                         f"model.max_seq_len {m.max_seq_len}")
+    if m.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("model.device 'cuda': no CUDA device is visible (use 'auto' or 'cpu')")
     return problems
+
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def check_model_dir(path: str, cfg: NightlyConfig | None = None) -> list[str]:
+    """Problems of `path` as a Hugging Face causal LM directory (model.path, `ratchet run --model`).
+    A directory that is not one at all is one problem; read from the files, no weights loaded."""
+    where, p = f"model.path {path!r}", Path(path).expanduser()
+    if not p.exists():
+        return [f"{where}: no such directory"]
+    if not p.is_dir():
+        return [f"{where}: not a directory (a Hugging Face model directory is expected)"]
+    if not (p / "config.json").is_file():
+        return [f"{where}: no config.json, so not a Hugging Face model directory"]
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except (ValueError, OSError) as e:
+        return [f"{where}: config.json is not readable JSON ({e})"]
+    if not isinstance(config, dict) or not config.get("model_type"):
+        return [f"{where}: config.json names no model_type, so not a Hugging Face model directory"]
+    problems = []
+    archs = config.get("architectures") or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        problems.append(f"{where}: config.json's architectures {archs} name no causal LM (…ForCausalLM)")
+    if not any((p / name).is_file() for name in WEIGHTS):
+        problems.append(f"{where}: no weights ({' or '.join(WEIGHTS[::2])})")
+    if not any((p / name).is_file() for name in TOKENIZER):
+        problems.append(f"{where}: no tokenizer files ({', '.join(TOKENIZER)})")
+    if cfg is None:
+        return problems
+    if cfg.model.chat_template == "on" and not _has_chat_template(p):
+        problems.append(f"model.chat_template 'on': the tokenizer in {path!r} has no chat template")
+    context = next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    if context is not None and cfg.rollout.max_new_tokens >= context:
+        problems.append(f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                        f"model's context of {context} tokens ({path}/config.json)")
+    elif context is not None and cfg.model.max_seq_len > context:
+        problems.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's context of {context} tokens "
+                        f"({path}/config.json)")
+    return problems
+
+
+def _has_chat_template(p: Path) -> bool:
+    if (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (ValueError, OSError):
+        return False
 
 
 def _envs(cfg: NightlyConfig) -> list[str]:

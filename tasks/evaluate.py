@@ -12,8 +12,6 @@ from envs.sources import interleave
 from ratchet.config import NightlyConfig
 from ratchet.eval import evaluate as evaluate_policy
 from ratchet.eval import should_promote
-from ratchet.model import load_policy
-from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.scratch import scratch_dir
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
@@ -56,8 +54,7 @@ def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
     if pointer is None:
         return None
     with scratch_dir("incumbent") as tmp:
-        model, tokenizer = load_policy(store.get_dir(pointer, Path(tmp)))
-        result = _eval(TorchEngine(model.eval(), tokenizer), heldout, cfg)
+        result = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
     return {"checkpoint": pointer.uri, **result.summary(cfg.eval.confidence)}
 
 

@@ -34,7 +34,9 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
         if cfg.model.path:
             from ratchet.model import load_policy, save_policy
 
-            model, tokenizer = load_policy(cfg.model.path)
+            # re-saved in HF layout (safetensors, generation config, tokenizer with its chat template);
+            # loaded on the CPU only to be written: the session places it on model.device
+            model, tokenizer = load_policy(cfg.model.path, cfg.model.model_copy(update={"device": "cpu"}))
             write = lambda d: save_policy(model, tokenizer, d)  # noqa: E731
         else:
             from ratchet.train.sft import warm_start

@@ -87,6 +87,10 @@ def files(tmp_path) -> dict[str, str]:
     store.put_json("runs/existing/summary.json", {"kept": True})
     store.write_table("runs/existing/waves/000000/scored.parquet", clean_wave(groups=1))   # no scoring record
     out["store"] = str(tmp_path / "store")
+    bert = tmp_path / "bert"      # a Hugging Face directory, but not of a causal LM
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    out["not_causal_lm"] = str(bert)
     return out
 
 
@@ -158,6 +162,11 @@ CASES = [
     ("run-tasks-no-good-line", "run --tasks {all_bad_jsonl}", 2, "no good task line (2 bad; first: "),
     ("run-tasks-a-directory", "run --tasks {dir}/", 2, "expected a .jsonl.gz"),
     ("run-tasks-same-name", "run --tasks {good_jsonl} --tasks {dir}/../good.jsonl", 2, "would both be named"),
+    ("run-model-option-missing", "run --model {missing}", 2, "model.path"),
+    ("run-model-option-not-hf", "run --model {dir}", 2, "no config.json, so not a Hugging Face model directory"),
+    ("run-model-option-a-file", "run --model {a_file}", 2, "not a directory (a Hugging Face model directory"),
+    ("run-model-option-not-causal", "run --model {not_causal_lm}", 2, "name no causal LM"),
+    ("run-model-option-no-value", "run --model", 2, "'--model' requires an argument"),
     # ratchet verify
     ("verify-tasks-missing", "verify --tasks {missing} --completions {comp_no_completion}", 2, "no such tasks file"),
     ("verify-completions-missing", "verify --tasks {tasks} --completions {missing}", 2, "no such completions file"),
@@ -265,6 +274,20 @@ def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
     res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--tasks", "second.jsonl", "--store", files["store"]])
     assert res.exit_code == 0, res.output
     assert no_flow[0].envs.sources == (files["good_jsonl"], str(Path(files["dir"]) / "second.jsonl"))
+
+
+def test_model_option_sets_model_path(files, no_flow, tmp_path):
+    """`run --model DIR` is model.path; the rest of --config's model section stays."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "tokenizer.json").write_text("{}")
+    cfg = Path(files["dir"]) / "model.json"
+    cfg.write_text(json.dumps({"model": {"path": files["missing"], "chat_template": "off"}}))
+    res = CliRunner().invoke(app, ["run", "--model", str(hf), "--config", str(cfg), "--store", files["store"]])
+    assert res.exit_code == 0, res.output
+    assert [(c.model.path, c.model.chat_template) for c in no_flow] == [(str(hf), "off")]
 
 
 def test_every_problem_is_reported_at_once(files, no_flow):

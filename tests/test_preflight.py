@@ -61,7 +61,31 @@ def test_model_path(tmp_path):
     assert "no config.json" in check(NightlyConfig(model=ModelConfig(path=str(tmp_path))))[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     cfg = NightlyConfig(model=ModelConfig(path=str(tmp_path)), store=StoreConfig(uri=str(tmp_path / "s")))
+    assert [p.split(": ")[1][:12] for p in check(cfg)] == ["no weights (", "no tokenizer"]
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert check(cfg) == []
+
+
+def test_model_dir_that_cannot_be_post_trained(tmp_path):
+    """Each problem of an HF directory is named before the run starts; a non-model dir is one problem."""
+    def problems(config, **model):
+        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        return check(NightlyConfig(model=ModelConfig(path=str(tmp_path), **model), store=StoreConfig(uri=str(tmp_path / "s"))))
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert "not readable JSON" in problems('{"model_type": ')[0]
+    assert problems({"architectures": ["LlamaForCausalLM"]}) == [
+        f"model.path {str(tmp_path)!r}: config.json names no model_type, so not a Hugging Face model directory"]
+    assert "name no causal LM" in problems({"model_type": "bert", "architectures": ["BertForMaskedLM"]})[0]
+    assert "has no chat template" in problems({"model_type": "llama"}, chat_template="on")[0]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert problems({"model_type": "llama"}, chat_template="on") == []
+    assert "exceeds the model's context of 128 tokens" in problems(
+        {"model_type": "llama", "max_position_embeddings": 128}, max_seq_len=256)[0]
+    assert "leaves no room for a prompt in the model's context of 32" in problems(
+        {"model_type": "gpt2", "n_positions": 32}, max_seq_len=32)[0]
 
 
 def test_require_lists_every_problem(tmp_path):

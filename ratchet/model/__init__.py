@@ -1,19 +1,34 @@
-"""The policy model: the embedded tiny default, or any local Hugging Face model directory.
+"""The policy model: the embedded tiny default, or any local Hugging Face causal LM directory.
 
 No pretrained weights can be downloaded at run time, so the embedded default is built here:
 a byte-level BPE tokenizer trained on the task corpus (digits split one per token) and a
 Llama-style causal LM of ~2M parameters, saved in the Hugging Face layout (safetensors) so
 `AutoModelForCausalLM.from_pretrained(path)` loads it like any other model.
+
+Any other local Hugging Face causal LM loads through the Auto classes:
+
+    model, tokenizer = load_policy(path, cfg.model)     # on cfg.model.device, in cfg.model.dtype
+    eos_ids(model, tokenizer)                           # every id that ends a sequence (generation_config)
+    context_length(model)                               # max_position_embeddings (or the like), None if unknown
+    encode_prompts(tokenizer, prompts, chat=True)       # token ids, through the chat template as a user turn
+    save_policy(model, tokenizer, path)                 # safetensors + config + generation config + tokenizer
+
+Chat template (`ModelConfig.chat_template`, default "auto"): a task's prompt is plain text. A
+tokenizer that ships a chat template belongs to an instruct/chat model, trained to see its turns
+in that format, so by default the prompt becomes one user message followed by the assistant's
+generation prompt; the completion is still judged exactly as generated. The embedded model has
+no template and sees the plain prompt ("off" forces that for any model).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ratchet.config import ModelConfig
 
@@ -78,23 +93,90 @@ def set_context(model: LlamaForCausalLM, seq_len: int, rope_type: str = "default
 
 
 def save_policy(model, tokenizer, path: str | Path) -> Path:
+    """Hugging Face layout: model.safetensors, config.json, generation_config.json, tokenizer files
+    (with its chat template), so `AutoModelForCausalLM.from_pretrained(path)` and vLLM load it as is."""
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) from a Hugging Face directory; the tokenizer pads on the left."""
-    from transformers import AutoTokenizer
+def resolve_device(name: str = "auto") -> torch.device:
+    """"auto": CUDA when visible (cuda:LOCAL_RANK under a launcher), else CPU; "cuda" without a GPU is an error."""
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("model.device 'cuda': no CUDA device is visible to this process")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
+
+
+def load_policy(path: str | Path, cfg: ModelConfig | None = None):
+    """(model, tokenizer) from a Hugging Face directory, on `cfg.device` in `cfg.dtype` (no cfg: fp32
+    on CPU). The tokenizer pads on the left, with EOS as its pad token when it has none."""
+    cfg = cfg or ModelConfig(device="cpu")
+    device = resolve_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    _own_memory(model)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+    if tokenizer.pad_token is None:   # padding is always masked out: any real token will do; EOS by convention
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids(model, tokenizer)[0]
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+    if device.type == "cpu":
+        _own_memory(model)
+    else:
+        model.to(device)   # fresh device memory: no file views left
     return model, tokenizer
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a sequence: the tokenizer's EOS first, then the generation config's
+    (an int or a list: an instruct model's end-of-turn token), else the model config's. Never empty."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for source in (getattr(model, "generation_config", None), model.config):
+        found = getattr(source, "eos_token_id", None) if source is not None else None
+        for i in ([found] if isinstance(found, int) else list(found or [])):
+            if i not in ids:
+                ids.append(int(i))
+        if found is not None:
+            break
+    if not ids:
+        raise ValueError(f"{getattr(model.config, '_name_or_path', 'the model')}: neither the tokenizer nor the "
+                         "generation config names an end-of-sequence token")
+    return ids
+
+
+def context_length(model) -> int | None:
+    """The model's own context window from its config (None when the config names none)."""
+    cfg = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def use_chat_template(setting: str, tokenizer) -> bool:
+    """Whether prompts go through the tokenizer's chat template (ModelConfig.chat_template)."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if setting == "on" and not has:
+        raise ValueError("model.chat_template 'on': this tokenizer has no chat template (set it to 'auto' or 'off')")
+    return has and setting != "off"
+
+
+def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[list[int]]:
+    """Prompt token ids: BOS (when the tokenizer has one) + the plain text, or with `chat`, the chat
+    template's rendering of one user turn and the assistant's generation prompt (its own BOS kept once)."""
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+    bos = tokenizer.bos_token_id
+    ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    if bos is None:
+        return [list(x) for x in ids]
+    return [list(x) if x[:1] == [bos] else [bos, *x] for x in ids]
 
 
 @torch.no_grad()

@@ -10,8 +10,9 @@
 `HFDecoder` copies each prompt's KV cache rows to its samples and calls the model's own forward
 with its DynamicCache: it works for any causal LM.
 
-`LlamaDecoder` runs the same maths with the same weights for Llama-style models, written out in
-torch for one-token steps. On CPU, a tiny model's decode step spends about as much time outside
+`LlamaDecoder` runs the same maths with the same weights for Llama-style models (Llama, and
+Qwen2, which is Llama with q/k/v biases, when no layer uses sliding-window attention), written
+out in torch for one-token steps. On CPU, a tiny model's decode step spends about as much time outside
 its matrix products as in them (masks, cache concatenation, one copy of the prompt's cache per
 sample, per-op overhead); this decoder removes what it can:
 - the prompt's keys/values are stored ONCE per distinct prompt and never copied to the samples;
@@ -22,7 +23,8 @@ sample, per-op overhead); this decoder removes what it can:
 - q/k/v and gate/up are each one matrix product; rotary tables are computed once.
 Measured (python -m bench.rollout, 2 shared CPU cores): ~1.15-1.2x the tokens/s of HFDecoder
 in the same engine. Other architectures use HFDecoder.
-tests/rollout/test_torch_engine.py checks both against a full forward and against each other.
+tests/rollout/test_torch_engine.py checks both against a full forward and against each other;
+tests/model/test_hf_models.py checks Qwen2 against HF's forward and `generate`.
 """
 
 from __future__ import annotations
@@ -53,12 +55,16 @@ class HFDecoder:
 class LlamaDecoder:
     """One-token decode steps of a LlamaForCausalLM: same weights and maths, shared prompt cache."""
 
+    ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
     @staticmethod
     def supports(model) -> bool:
         cfg = model.config
         rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
-        return (type(model).__name__ == "LlamaForCausalLM" and cfg.hidden_act == "silu"
+        full_attention = all(t == "full_attention" for t in (getattr(cfg, "layer_types", None) or []))
+        return (type(model).__name__ in LlamaDecoder.ARCHITECTURES and cfg.hidden_act == "silu"
                 and getattr(cfg, "pretraining_tp", 1) == 1 and not getattr(cfg, "mlp_bias", False)
+                and full_attention                                    # Qwen2's sliding-window layers: not here
                 and rope in ("default", "linear", "llama3"))   # position-only rotary tables (not "dynamic")
 
     def __init__(self, model, layers: list[_Layer], cache, attn: torch.Tensor, owner: torch.Tensor,

@@ -7,8 +7,16 @@ Each rollout carries the sampled token ids and their log-probs under the samplin
 distribution (logits / temperature): the behaviour log-probs the trainer's importance
 ratios are taken against. A batch holds up to `batch_size` sequences; the distinct prompts
 in it are left-padded and prefilled ONCE, and their KV cache serves the n samples of each
-(ratchet/rollout/decoders.py: a hand-written Llama decode that never copies the prompt's cache,
-or the model's own forward for other architectures). A sequence that emits EOS, or completes a stop string, leaves the batch.
+(ratchet/rollout/decoders.py: a hand-written Llama/Qwen2 decode that never copies the prompt's
+cache, or the model's own forward for other architectures). A sequence that emits any of the
+model's EOS ids (the tokenizer's and the generation config's), or completes a stop string,
+leaves the batch.
+
+The engine runs wherever the model's weights are (CPU or CUDA, in their dtype): it shares the
+module with the trainer, so a trainer that moves it (DeepSpeed) moves the engine too. With
+`chat_template=True` prompts are rendered as one user turn (ratchet.model.encode_prompts); with
+`check_context=True` a prompt that leaves no room for max_new_tokens in the model's context
+(max_position_embeddings) is a ValueError naming it.
 The interface it implements (greedy and stop semantics): ratchet/rollout/engine.py.
 Speed against `model.generate`: python -m bench.rollout.
 """
@@ -19,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from ratchet.model import context_length, encode_prompts, eos_ids
 from ratchet.rollout.decoders import decoder_for
 from ratchet.rollout.engine import Rollout, first_stop
 
@@ -47,14 +56,14 @@ class _StopScanner:
         self.ids: list[list[int]] = [[] for _ in range(rows)]
         self.hit: dict[int, str] = {}                                             # batch row -> stop string seen
 
-    def step(self, rows: list[int], toks: list[int], eos: int | None) -> list[bool]:
-        """Append each row's new token; True where it completed a stop string."""
+    def step(self, rows: list[int], toks: list[int], eos: set[int]) -> list[bool]:
+        """Append each row's new token; True where it completed a stop string (an EOS ends it anyway)."""
         for b, t in zip(rows, toks):
             self.ids[b].append(t)
         texts = self.tokenizer.batch_decode([self.ids[b][-self.window:] for b in rows], skip_special_tokens=False)
         done = []
         for b, t, text in zip(rows, toks, texts):
-            hit = first_stop(text, self.stops) if t != eos else None
+            hit = first_stop(text, self.stops) if t not in eos else None
             if hit:
                 self.hit[b] = hit[1]
             done.append(hit is not None)
@@ -62,21 +71,30 @@ class _StopScanner:
 
 
 class TorchEngine:
-    def __init__(self, model, tokenizer, device: str | torch.device = "cpu", policy_version: int = 0):
+    def __init__(self, model, tokenizer, policy_version: int = 0, chat_template: bool = False,
+                 check_context: bool = False):
         self.model = model
         self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.eos = tokenizer.eos_token_id
-        self.pad = tokenizer.pad_token_id
+        self.eos_ids = eos_ids(model, tokenizer)          # every one ends a sequence
+        self.eos = self.eos_ids[0]                        # the tokenizer's own
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos
         self.policy_version = policy_version
+        self.chat_template = chat_template
+        # check_context: a prompt + max_new_tokens past the model's context is a ValueError (the run's
+        # engines); off, it decodes past it (a probe beyond the limit, RoPE extrapolation)
+        self.context = context_length(model) if check_context else None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the (shared) weights are now."""
+        return next(self.model.parameters()).device
 
     def set_policy_version(self, version: int, path: str | None = None) -> None:
         """The weights are the trainer's own, shared in memory: moving to `version` only records it."""
         self.policy_version = version
 
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
-        return [bos + ids for ids in self.tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+        return encode_prompts(self.tokenizer, prompts, self.chat_template)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], n: int = 1, max_new_tokens: int = 48, temperature: float = 1.0,
@@ -87,6 +105,12 @@ class TorchEngine:
             raise ValueError("stop: every stop string must be non-empty")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         encoded = self.encode_prompts(prompts)
+        if self.context is not None:
+            too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > self.context]
+            if too_long:
+                i = too_long[0]
+                raise ValueError(f"prompt {i}: {len(encoded[i])} tokens + max_new_tokens {max_new_tokens} exceed the "
+                                 f"model's context of {self.context} tokens ({len(too_long)} prompt(s) too long)")
         jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
         out: list[Rollout] = []
         was_training = self.model.training
@@ -106,6 +130,8 @@ class TorchEngine:
         owner = torch.unique_consecutive(owner, return_inverse=True)[1].to(self.device)  # [B] row -> distinct prompt
         distinct = [ids for b, (i, ids) in enumerate(jobs) if b == 0 or jobs[b - 1][0] != i]
         B, U, P = len(jobs), len(distinct), max(len(ids) for ids in distinct)
+        eos = set(self.eos_ids)
+        eos_t = torch.tensor(self.eos_ids, device=self.device)
         input_ids = torch.full((U, P), self.pad, dtype=torch.long)
         attn = torch.zeros((U, P), dtype=torch.long)
         for u, ids in enumerate(distinct):
@@ -129,9 +155,9 @@ class TorchEngine:
             else:
                 tok = sample(logprobs.exp().cpu(), gen).to(self.device)                 # [b]
             steps.append((rows, tok, logprobs.gather(1, tok[:, None]).squeeze(1)))
-            live = tok != self.eos                                                # [b]
+            live = ~torch.isin(tok, eos_t)                                        # [b]
             if scanner is not None:
-                stopped = scanner.step(rows.tolist(), tok.tolist(), self.eos)
+                stopped = scanner.step(rows.tolist(), tok.tolist(), eos)
                 live &= ~torch.tensor(stopped, dtype=torch.bool, device=self.device)
             if t == max_new_tokens - 1 or not bool(live.any()):
                 break
@@ -150,10 +176,10 @@ class TorchEngine:
         results = []
         for b, (i, ids) in enumerate(jobs):
             comp = tokens[b]
-            eos = bool(comp) and comp[-1] == self.eos
-            text = self.tokenizer.decode(comp[:-1] if eos else comp, skip_special_tokens=False)
+            ended = bool(comp) and comp[-1] in eos
+            text = self.tokenizer.decode(comp[:-1] if ended else comp, skip_special_tokens=False)
             hit = scanner.hit.get(b) if scanner is not None else None
             if hit is not None:   # the full text's earliest stop (the window's, should decoding differ)
                 hit = (first_stop(text, stop) or (0, hit))[1]
-            results.append(Rollout(i, ids, comp, logps[b], text, eos or hit is not None, hit))
+            results.append(Rollout(i, ids, comp, logps[b], text, ended or hit is not None, hit))
         return results

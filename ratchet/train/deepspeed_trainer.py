@@ -13,6 +13,11 @@ Launched by the DeepSpeed launcher (`deepspeed --hostfile ... -m ...`, see deplo
 the process group comes from its RANK/WORLD_SIZE/MASTER_* variables; otherwise (a Prefect
 worker, a test) a one-process gloo/nccl group on 127.0.0.1 and a free port is started here.
 
+Devices: the session loads the policy on `model.device`; on a machine with a GPU DeepSpeed works
+on CUDA, so a policy left on the CPU is moved there (with the KL reference), and the rollout
+engine, which shares the module, follows it. With `bf16` DeepSpeed holds the module in bf16
+(fp32 master weights in the optimizer): the engine then samples from those bf16 weights.
+
 Resume state (`state_dict`) is this rank's: ZeRO partitions (optimizer moments and fp32 master
 weights) belong to the rank that wrote them, so a multi-process run saves one per rank.
 """
@@ -88,7 +93,11 @@ class DeepSpeedTrainer(Trainer):
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         init_distributed()
         if torch.cuda.is_available() and self.device.type != "cuda":
+            # DeepSpeed's accelerator is CUDA whenever a GPU is visible: the policy (and with it the
+            # rollout engine, which shares it) and the KL reference go there together
             self.module.to(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
         params = [p for p in self.module.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(

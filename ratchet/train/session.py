@@ -6,6 +6,10 @@ policy version, last checkpoint). A task that finds no session for the version i
 given (a fresh worker, a crash) restores it from the checkpoint, which must be of that
 version; otherwise it raises `StaleSession` and the run is resumed from its LATEST
 checkpoint (`nightly(NightlyConfig(run_id=...))`).
+
+The model, the rollout engine and the trainer share one module on `model.device` (CUDA when
+present by default), in `model.dtype`; the engine follows the module wherever the trainer puts
+it (DeepSpeed places it on its accelerator).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ratchet.config import NightlyConfig
-from ratchet.model import load_policy, save_policy
+from ratchet.model import load_policy, save_policy, use_chat_template
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import ArtifactStore, Ref, store_for
 from ratchet.train.checkpoint import load_checkpoint, save_checkpoint
@@ -62,10 +66,17 @@ _SESSIONS: dict[str, PolicySession] = {}
 _LOCK = threading.Lock()
 
 
+def load_engine(model_dir: str | Path, cfg: NightlyConfig, policy_version: int = 0) -> TorchEngine:
+    """A rollout engine over the checkpoint in `model_dir`, placed and prompted as the run's policy is."""
+    model, tokenizer = load_policy(model_dir, cfg.model)
+    return TorchEngine(model.eval(), tokenizer, policy_version=policy_version,
+                       chat_template=use_chat_template(cfg.model.chat_template, tokenizer), check_context=True)
+
+
 def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,
            ledger: dict | None) -> PolicySession:
-    model, tokenizer = load_policy(model_dir)
-    model.eval()
+    engine = load_engine(model_dir, cfg)
+    model, tokenizer = engine.model, engine.tokenizer
     if cfg.train.backend == "deepspeed":
         from ratchet.train.deepspeed_trainer import DeepSpeedTrainer as Trainer
     else:
@@ -74,8 +85,7 @@ def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict
     if trainer_state is not None:
         trainer.load_state_dict(trainer_state)
     ledger = ledger or {"version": 0, "consumed_waves": []}
-    return PolicySession(run_id, ledger["version"], model, tokenizer, TorchEngine(model, tokenizer),
-                         trainer, list(ledger["consumed_waves"]))
+    return PolicySession(run_id, ledger["version"], model, tokenizer, engine, trainer, list(ledger["consumed_waves"]))
 
 
 def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:

@@ -1,5 +1,9 @@
 """The torch trainer backend (CPU and one GPU): AdamW, gradient clipping, bf16 autocast on CUDA.
 
+It trains the module where the session put it (`model.device`, `model.dtype`); with
+`train.bf16` and the module on CUDA every forward runs under bf16 autocast (fp32 weights and
+optimizer state stay fp32). On CPU nothing changes: bf16 is a GPU setting.
+
     trainer = TorchTrainer(model, pad_id, train_cfg, rl_cfg, temperature=1.0)
     samples = trainer.assign_advantages(samples)   # samples: list[TrainSample]
     metrics = trainer.train_wave(samples)
