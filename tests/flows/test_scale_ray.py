@@ -9,7 +9,7 @@ import pytest
 from prefect import flow
 
 from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig, RolloutConfig, StoreConfig, TrainConfig, VerifyConfig
-from ratchet.model import save_policy
+from ratchet.model import build_model, save_policy
 from tasks.produce import produce_envs
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
@@ -36,7 +36,8 @@ def tiny_cycle(cfg: NightlyConfig):
 @pytest.mark.slow
 def test_verification_on_ray_workers_training_in_the_flow_process(prefect_harness, ray_cluster, tmp_path):
     address, workers = ray_cluster
-    save_policy(tiny.model(), tiny.tokenizer(), tmp_path / "model")
+    model = build_model(tiny.TINY.model_copy(update={"max_seq_len": 256}), tiny.tokenizer())   # room for the prompts
+    save_policy(model, tiny.tokenizer(), tmp_path / "model")
     cfg = NightlyConfig(
         store=StoreConfig(uri=str(tmp_path / "store")), envs=EnvsConfig(n_train=20, n_heldout=2),
         model=ModelConfig(path=str(tmp_path / "model")),
