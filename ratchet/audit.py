@@ -45,6 +45,7 @@ from envs.snapshot import Verdict
 from envs.spec import COMPLETION, CheckCalls, OverwriteFile, TaskSpec
 from ratchet.config import AuditConfig, VerifyConfig
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
+from ratchet.scale import executor_for
 from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
 from ratchet.verify import Verification, solution_files, verify_many
 from ratchet.verify.guards import hidden_test_leaks
@@ -204,6 +205,7 @@ def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: Verif
     candidate runs (first reference runs, repeats, trivial answers, mutants) as they finish."""
     limits = verify.sandbox_limits()
     short = replace(limits, wall_s=min(limits.wall_s, cfg.candidate_wall_s), cpu_s=min(limits.cpu_s, cfg.candidate_wall_s))
+    executor = executor_for(verify)   # this process's sandbox, or Ray tasks over a cluster (verify.executor)
     blocked = [_blocked(s) for s in specs]
     live = [i for i in range(len(specs)) if blocked[i] is None]
     with_ref = [i for i in live if specs[i].reference_solution is not None]
@@ -211,7 +213,7 @@ def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: Verif
     n_runs = {i: len(candidates[i].sources(specs[i].reference_solution)) for i in live}
     tally = _Tally(progress, len(with_ref) + sum(n_runs.values()))
     run = lambda items, lim=limits: verify_many(items, lim, verify.concurrency, verify.env_error_retries,  # noqa: E731
-                                                progress=tally.part(len(items)))
+                                                progress=tally.part(len(items)), executor=executor)
 
     # 1. reference run 1 of every task: a full verification (the training path; its time is the runtime)
     first = dict(zip(with_ref, run([(specs[i], specs[i].reference_solution) for i in with_ref])))
@@ -221,7 +223,7 @@ def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: Verif
     if cfg.batch_probes:
         ref_ms = {i: first[i].metrics.get("execution_time_ms", limits.wall_s * 1000) for i in with_ref}
         probed = [i for i in with_ref if _probeable(specs[i])]
-        outcome = _probe_all(specs, probed, candidates, ref_ms, limits, verify.concurrency)
+        outcome = _probe_all(specs, probed, candidates, ref_ms, limits, verify.concurrency, executor)
         tally.add(sum(n_runs[i] for i in outcome))
     rest = [i for i in live if i not in outcome]
     outcome.update({i: [] for i in rest})
@@ -277,7 +279,7 @@ class Results:
 
 
 def _probe_all(specs, idx, candidates: dict[int, Candidates], ref_ms, limits: Limits,
-               concurrency) -> dict[int, list[bool]]:
+               concurrency, executor=None) -> dict[int, list[bool]]:
     """Probe results per task index; a task missing from the answer needs one run per candidate.
     Groups that fail as a whole are retried task by task."""
     todo = [(i, specs[i], candidates[i].sources(specs[i].reference_solution)) for i in idx]
@@ -287,7 +289,8 @@ def _probe_all(specs, idx, candidates: dict[int, Candidates], ref_ms, limits: Li
     for _attempt in range(2):
         payloads = [_probe_payload([(s, c) for _, s, c in g], [alarm[i] for i, _, _ in g]) for g in groups]
         failed = []
-        for g, res in zip(groups, run_many(payloads, limits=limits, concurrency=concurrency) if payloads else []):
+        run = executor.run_many if executor is not None else run_many
+        for g, res in zip(groups, run(payloads, limits=limits, concurrency=concurrency) if payloads else []):
             r = _probe_results([(s, c) for _, s, c in g], res)
             if r is not None:
                 done.update({i: ok for (i, _, _), ok in zip(g, r)})

@@ -232,6 +232,17 @@ class VerifyConfig(Frozen):
     env_error_retries: int = Field(2, ge=0, le=10, description="Retries of a run that failed for infrastructure reasons.")
     feedback_bytes: int = Field(2048, ge=0, le=1_000_000, description="Bytes of stdout and of stderr (their tails) kept "
                                 "with each verified row of a wave, for `ratchet trace`.")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="Where sandbox runs execute: `local` (this process's sandbox) or `ray` (fanned out as Ray "
+        "tasks over the cluster at `ray_address`, each running a chunk through the same sandbox on its node; a node's "
+        "custom resource `sandbox` caps its concurrent runs across flows). Waves, evaluation and the audit alike; "
+        "training stays in the flow's process (ratchet/scale/).")
+    ray_address: str = Field(
+        "auto", min_length=1, description="Ray cluster for `executor: ray`: `auto` (the cluster this machine joined with "
+        "`ray start`, or $RAY_ADDRESS), `ray://HOST:10001` (Ray client), `HOST:6379`, or `local` (a private "
+        "one-machine cluster, for trying it).")
+    ray_chunk: int = Field(8, ge=1, le=100_000, description="Sandbox runs per Ray task with `executor: ray` (each task "
+                           "runs its chunk `concurrency` at a time on one node; smaller chunks spread a wave wider).")
 
     def sandbox_limits(self) -> Limits:
         """The sandbox limits of one verification run: the only mapping from these settings to the

@@ -14,6 +14,7 @@ from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
 from ratchet.rollout.wave import pick_tasks, wave_frame
+from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample
 from ratchet.verify import passed, verify_many
 
@@ -40,12 +41,15 @@ def wave_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**63
 
 
-def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig) -> pl.DataFrame:
+def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: NightlyConfig,
+                 executor=None) -> pl.DataFrame:
     """Fill `metrics`, `env_error`, `env_error_kind` and `feedback` (what the sandbox said: output
-    tails, failed tests; `ratchet trace` shows it) by running every completion in the sandbox."""
+    tails, failed tests; `ratchet trace` shows it) by running every completion in the sandbox.
+    `executor`: where (`ratchet.scale.executor_for(cfg.verify)`, made here if None); pass one to
+    read its `stats` afterwards (sandbox runs launched, reaped, orphaned; nodes)."""
     items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
     results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries,
-                          feedback_bytes=cfg.verify.feedback_bytes)
+                          feedback_bytes=cfg.verify.feedback_bytes, executor=executor or executor_for(cfg.verify))
     metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
     return frame.with_columns(
         metrics,

@@ -9,6 +9,7 @@ from envs.snapshot import load_specs
 from ratchet import stages, trace
 from ratchet.config import NightlyConfig
 from ratchet.reward import score_frame
+from ratchet.scale import executor_for
 from ratchet.store import Ref, open_store
 from tasks.retry import transient_only
 
@@ -20,7 +21,9 @@ def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, di
     specs = {s.task_id: s for r in train for s in load_specs(r)}
     store = open_store(cfg.store)
     store.put_json(wave.sibling(trace.SCORING), trace.scoring_record(train, cfg))   # what `ratchet trace replay` needs
-    frame = stages.verify_frame(store.read_table(wave), specs, cfg)
+    executor = executor_for(cfg.verify)       # this process, or Ray tasks over a cluster (verify.executor)
+    frame = stages.verify_frame(store.read_table(wave), specs, cfg, executor)
     frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward)
     stats = {**stages.wave_stats(frame, cfg), **stages.sandbox_stats(frame)}   # ratchet.monitor reads the first
+    stats.update(executor.stats)               # sandbox runs launched / reaped / orphaned, nodes used
     return store.write_table(wave.sibling("scored.parquet"), frame), stats

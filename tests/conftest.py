@@ -5,4 +5,4 @@ before any test module imports torch."""
 
 import ratchet  # noqa: F401
 
-pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.prefect"]
+pytest_plugins = ["tests.fixtures.s3", "tests.fixtures.prefect", "tests.fixtures.ray"]

@@ -26,6 +26,7 @@ import polars as pl
 from envs.spec import TaskSpec
 from ratchet.config import EvalConfig, VerifyConfig
 from ratchet.eval.stats import PromotionDecision, bootstrap_mean, decide, pass_at_k
+from ratchet.scale import executor_for
 from ratchet.verify import verify_many
 
 GROUPS = ("family", "difficulty", "source")
@@ -115,7 +116,7 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
                                greedy=greedy, temperature=temperature, batch_size=batch_size,
                                seed=None if greedy else seed)
     results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], verify.sandbox_limits(),
-                          verify.concurrency, verify.env_error_retries)
+                          verify.concurrency, verify.env_error_retries, executor=executor_for(verify))
     owner = [specs[r.prompt_index] for r in rollouts]
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in owner],

@@ -2,6 +2,7 @@
 
     ratchet sandbox run solution.py --timeout 2 --memory-mb 256 --json
     ratchet sandbox doctor
+    ratchet sandbox reap --json         # end this host's runs past their lease or orphaned (cron / sidecar)
 
 A missing, binary or undecodable FILE, or a backend this host lacks: one `error:` line, exit 2.
 """
@@ -74,6 +75,22 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) ->
         typer.echo(f"{k:<10} {v}")
     for k, v in info["host"].items():
         typer.echo(f"host.{k:<15} {v}")
+
+
+@app.command()
+def reap(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    """End this host's sandbox runs whose worker died or that outlived their lease (ratchet/sandbox/lease.py);
+    print what was found. Workers do this themselves every few seconds; run it from cron or a sidecar for a
+    host whose workers are all gone."""
+    from . import lease
+    found = {**lease.reap(), "leases": lease_count(lease.lease_dir()), "dir": lease.lease_dir()}
+    typer.echo(json.dumps(found) if as_json else
+               f"reaped {found['reaped']}, orphaned {found['orphaned']}, {found['leases']} live lease(s) in {found['dir']}")
+
+
+def lease_count(d: str) -> int:
+    import os
+    return sum(n.endswith(".json") for n in os.listdir(d))
 
 
 if __name__ == "__main__":

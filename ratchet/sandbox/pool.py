@@ -12,7 +12,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from . import backends
+from . import backends, lease
 from .model import Limits, Payload, RunResult
 
 AUTO_ORDER = ("zygote", "bwrap", "subprocess")
@@ -68,6 +68,7 @@ class Sandbox:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        lease.start_reaper()   # runs of this host's dead or stuck workers end here (ratchet/sandbox/lease.py)
 
     def describe(self) -> str:
         """One line: the backend and which mechanism each limit uses on this host."""
@@ -124,6 +125,7 @@ class Sandbox:
 
     def run_many(self, payloads: Sequence[Payload]) -> list[RunResult]:
         payloads = list(payloads)
+        lease.reap()
         if len(payloads) <= 1 or self.concurrency == 1:
             return [self.run(p) for p in payloads]
         with self._lock:

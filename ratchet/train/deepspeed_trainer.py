@@ -71,9 +71,10 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(_free_port())
-    if os.environ["WORLD_SIZE"] == "1" and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         # The CPU accelerator JIT-compiles a shared-memory all-reduce op (~50-90 s) at start-up;
-        # one process has nothing to reduce with, so mark the op unavailable (plain gloo is used).
+        # one process has nothing to reduce with, and several reduce over plain gloo just as well
+        # (`python -m ratchet.train.launch` under torchrun/deepspeed on CPU): mark the op unavailable.
         from deepspeed.accelerator import get_accelerator
 
         builder = get_accelerator().create_op_builder("ShareMemCommBuilder")

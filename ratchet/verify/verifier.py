@@ -364,12 +364,16 @@ def _plan_or_verdict(spec: TaskSpec, completion: str, runtime_python: RuntimePyt
     return Verification(metrics={}, env_error=True, env_error_kind=problem[:300]) if problem else p
 
 
-def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int) -> dict:
-    """Run every plan; rerun those whose sandbox failed, up to `retries` more times."""
+def _run_with_retries(plans: dict, limits: Limits | None, concurrency: int | None, retries: int,
+                      executor=None) -> dict:
+    """Run every plan; rerun those whose sandbox failed, up to `retries` more times. The one
+    dispatch point: `executor` (`ratchet.scale.executor_for(cfg.verify)`: this process, or Ray
+    tasks over a cluster) runs the payloads; None: this process's sandbox."""
     results: dict = {}
     pending = list(plans)
+    run = executor.run_many if executor is not None else run_many
     for _ in range(retries + 1):
-        runs = run_many([plans[k].payload for k in pending], limits=limits, concurrency=concurrency)
+        runs = run([plans[k].payload for k in pending], limits=limits, concurrency=concurrency)
         results.update(zip(pending, runs))
         pending = [k for k in pending if results[k].infra_error is not None]
         if not pending:
@@ -387,23 +391,24 @@ def _verdict(spec: TaskSpec, completion: str, p: Plan, res: RunResult, feedback_
 def verify_many(items: list[tuple[TaskSpec, str]], limits: Limits | None = None,
                 concurrency: int | None = None, retries: int = 2,
                 runtime_python: RuntimePython | None = resolve, feedback_bytes: int = FEEDBACK_BYTES,
-                progress: Callable[[int, int], None] | None = None) -> list[Verification]:
+                progress: Callable[[int, int], None] | None = None, executor=None) -> list[Verification]:
     """Verify each (spec, completion); results in input order. `limits`: `VerifyConfig.sandbox_limits()`.
     `runtime_python(env)` gives the interpreter of a task's environment (default: `envs.runtime.resolve`,
     a content-addressed venv per dependency set; None: the sandbox's host python, with site-packages,
     for run_command tasks; check_calls tasks without dependencies always use the fast isolated one).
     `feedback_bytes`: how much of each run's stdout and stderr its feedback keeps (`VerifyConfig.feedback_bytes`).
     `progress(done, total)`, if given, is called as items finish (last with done == total == len(items));
-    the runs then go in chunks of PROGRESS_CHUNK x concurrency."""
+    the runs then go in chunks of PROGRESS_CHUNK x concurrency.
+    `executor`: where the sandbox runs execute (`ratchet.scale.executor_for(cfg.verify)`; None: this process)."""
     keys = [(spec.task_id, completion) for spec, completion in items]
     runtime_python = _cached(runtime_python) if runtime_python else None
     first = {k: items[i] for i, k in reversed(list(enumerate(keys)))}
     todo = {k: _plan_or_verdict(*first[k], runtime_python) for k in first}
     plans = {k: v for k, v in todo.items() if isinstance(v, Plan)}
     if progress is not None:
-        results = _run_reporting(plans, keys, limits, concurrency, retries, progress)
+        results = _run_reporting(plans, keys, limits, concurrency, retries, progress, executor)
     else:
-        results = _run_with_retries(plans, limits, concurrency, retries) if plans else {}
+        results = _run_with_retries(plans, limits, concurrency, retries, executor) if plans else {}
     done = {k: v if isinstance(v, Verification) else _verdict(*first[k], v, results[k], feedback_bytes)
             for k, v in todo.items()}
     return [Verification(dict(done[k].metrics), done[k].env_error, done[k].env_error_kind, _copy(done[k].feedback))
@@ -415,7 +420,7 @@ def _copy(feedback: dict | None) -> dict | None:
 
 
 def _run_reporting(plans: dict, keys: list, limits: Limits | None, concurrency: int | None, retries: int,
-                   progress: Callable[[int, int], None]) -> dict:
+                   progress: Callable[[int, int], None], executor=None) -> dict:
     """`_run_with_retries` in chunks, reporting progress(done, total) over every item (duplicates too)."""
     per_key, order, results = Counter(keys), list(plans), {}
     finished = len(keys) - sum(per_key[k] for k in order)    # known without a run: empty completions, task errors
@@ -423,7 +428,7 @@ def _run_reporting(plans: dict, keys: list, limits: Limits | None, concurrency: 
     size = PROGRESS_CHUNK * (concurrency or 2)
     for i in range(0, len(order), size):
         chunk = order[i:i + size]
-        results.update(_run_with_retries({k: plans[k] for k in chunk}, limits, concurrency, retries))
+        results.update(_run_with_retries({k: plans[k] for k in chunk}, limits, concurrency, retries, executor))
         finished += sum(per_key[k] for k in chunk)
         progress(finished, len(keys))
     return results

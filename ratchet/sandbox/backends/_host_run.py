@@ -2,6 +2,7 @@
 bwrap): a host temp dir for the workdir, a unique uid, optional slot cgroup, wait4."""
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import shutil
@@ -9,10 +10,12 @@ import signal
 import tempfile
 import time
 
-from .. import host
+from .. import host, lease
 from .._io import Pump, build_result
 from ..model import DEFAULT_PATH, Limits, Payload, RunResult
 
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
 BOOT_SRC = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_boot.py")).read()
 ENV_PATH = DEFAULT_PATH
 
@@ -118,11 +121,14 @@ class HostRunSlot:
                 os.write(fd, b"0")
                 os.close(fd)
         set_rlimits(self.limits, nproc=self._drop)
-        if not self._drop:
-            return
-        os.setgroups([])
-        os.setresgid(self.uid, self.uid, self.uid)
-        os.setresuid(self.uid, self.uid, self.uid)
+        if self._drop:
+            os.setgroups([])
+            os.setresgid(self.uid, self.uid, self.uid)
+            os.setresuid(self.uid, self.uid, self.uid)
+        # Die with the worker: set after the uid drop, which clears it; the parent may already be gone.
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != self._parent:
+            os._exit(137)
 
     def run(self, payload: Payload) -> RunResult:
         t0 = time.monotonic()
@@ -153,6 +159,7 @@ class HostRunSlot:
             self.cg.reset_peak()
             before = self.cg.counters()
         argv, env = self.spawn_argv(payload, base, workdir, ev_w)
+        self._parent = os.getpid()
         try:
             pid = _spawn(argv, workdir, env, in_r, out_w, err_w, ev_w, self.child_setup)
         except OSError as e:
@@ -161,6 +168,15 @@ class HostRunSlot:
             return RunResult.infra(f"could not start the sandbox ({self.mode}): {e}")
         for fd in (ev_w, in_r, out_w, err_w):
             os.close(fd)
+        held = lease.take(pid, self.limits.wall_s, self.uid if self._drop else None)
+        try:
+            return self._wait(payload, argv, pid, pump_fds=(out_r, err_r, ev_r, in_w), t0=t0,
+                              before=before if self.cg else None)
+        finally:
+            held.release()
+
+    def _wait(self, payload: Payload, argv: list[str], pid: int, pump_fds, t0: float, before) -> RunResult:
+        out_r, err_r, ev_r, in_w = pump_fds
         pidfd = os.pidfd_open(pid)
 
         def kill(_reason: str) -> None:

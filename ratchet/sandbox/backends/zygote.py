@@ -15,7 +15,7 @@ import time
 
 from . import register
 from ._host_run import interpreter_argv
-from .. import host
+from .. import host, lease
 from .._io import Pump, build_result
 from ..model import Limits, Payload, RunResult
 
@@ -147,6 +147,14 @@ class ZygoteSlot:
         else:
             return RunResult.infra("sandbox could not hand the run to a worker child",
                                    wall_ms=(time.monotonic() - t0) * 1000)
+        held = lease.take(b, self.limits.wall_s, self.uid)   # B: the run's pid-namespace init, own session
+        try:
+            return self._finish(b, req_w, inline, body, in_w, out_r, err_r, ev_r, payload, t0,
+                                before if self.cg else None)
+        finally:
+            held.release()
+
+    def _finish(self, b, req_w, inline, body, in_w, out_r, err_r, ev_r, payload, t0, before) -> RunResult:
         try:
             if not inline:
                 _write_all(req_w, body)

@@ -1,0 +1,99 @@
+"""Verification fanned out over a local Ray cluster (two worker nodes, started by the
+`ray_cluster` fixture): the chunks land on both nodes and the verdicts are the local executor's.
+The tiny flow with Ray verification and local training: tests/flows/test_scale_ray.py."""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import pytest
+
+from envs.production import produce
+from ratchet.config import EnvsConfig, VerifyConfig
+from ratchet.scale import LocalExecutor, executor_for
+from ratchet.verify import verify_many
+
+pytest.importorskip("ray")
+ROOT = Path(__file__).resolve().parents[2]
+TIMING = ("execution_time_ms", "peak_memory_mb")
+
+
+def _items():
+    specs = produce("python_functions", EnvsConfig(n_train=8, n_heldout=2)).train[:6]
+    wrong = "def f(*a, **k):\n    return 0\n"
+    return [(s, c) for s in specs for c in (s.reference_solution, wrong)]
+
+
+def _same_verdicts(a, b) -> bool:
+    drop = lambda v: ({k: x for k, x in v.metrics.items() if k not in TIMING}, v.env_error, v.passed,  # noqa: E731
+                      v.feedback and {k: x for k, x in v.feedback.items() if k != "stdout_tail"})
+    return [drop(v) for v in a] == [drop(v) for v in b]
+
+
+def test_a_batch_fans_out_to_both_nodes_with_the_local_verdicts(ray_cluster):
+    address, workers = ray_cluster
+    items = _items()
+    verify = VerifyConfig(executor="ray", ray_address=address, ray_chunk=2)
+    ray_ex = executor_for(verify)
+    remote = verify_many(items, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries, executor=ray_ex)
+    local = verify_many(items, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
+                        executor=LocalExecutor())
+    assert sum(v.passed for v in local) == 6 and not any(v.env_error for v in local)   # the references pass
+    assert _same_verdicts(remote, local)
+    assert ray_ex.nodes == set(workers)                      # both worker nodes ran chunks; the head none
+    assert ray_ex.stats["sandbox_launched"] == len(items) and ray_ex.stats["sandbox_nodes"] == 2
+
+
+def test_the_nodes_sandbox_resource_caps_concurrent_runs_across_flows(ray_cluster):
+    """Two flows verify at once; each node's {"sandbox": 2} admits one 2-run chunk at a time, so at
+    most 4 runs overlap cluster-wide (without the cap the 4 chunks of 2 would all run: 8)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ray
+    from ratchet.sandbox import Limits, Payload
+    from ratchet.scale.ray_executor import RESOURCE, RayExecutor
+
+    address, _ = ray_cluster
+    code = "import time\nt = time.time()\ntime.sleep(1.0)\nprint(t, time.time())\n"
+    flows = [[Payload(code=code + f"# flow {f} run {i}") for i in range(4)] for f in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda ps: RayExecutor(address, 2).run_many(ps, Limits(wall_s=20, cpu_s=5), 2), flows))
+    spans = [tuple(map(float, r.stdout.split())) for rs in done for r in rs]
+    assert len(spans) == 8
+    overlap = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert 1 <= overlap <= 4, spans
+    assert ray.cluster_resources()[RESOURCE] == 4
+    end = time.monotonic() + 10                               # the resource view is refreshed every ~0.1-1 s
+    while ray.available_resources().get(RESOURCE) != 4 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert ray.available_resources().get(RESOURCE) == 4      # every chunk gave its slots back
+
+
+def test_stateful_stages_stay_in_the_flow_process():
+    """The nightly calls the stages that use the policy session directly (they run in the flow's
+    process, which owns the session); none is submitted to a task runner that could place it on
+    another worker, where it would meet a StaleSession. Only sandbox runs leave (executor)."""
+    stateful = {"bootstrap_policy", "rollout_wave", "train_epoch", "checkpoint_policy", "evaluate", "evaluate_incumbent"}
+    tree = ast.parse((ROOT / "flows" / "nightly.py").read_text())
+    offloaded = [n.func.value.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+                 and isinstance(n.func, ast.Attribute) and n.func.attr in ("submit", "map", "delay")
+                 and isinstance(n.func.value, ast.Name) and n.func.value.id in stateful]
+    assert offloaded == []
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert stateful <= called
+
+
+def test_every_payload_field_travels_to_the_nodes():
+    import dataclasses
+    import pickle
+
+    from ratchet.sandbox import Payload
+    from ratchet.scale.ray_executor import _unwire, _wire
+
+    p = Payload(program=("/bin/sh", "-c", "make test"), env={"A": "1"}, files={"a.py": "x"},
+                readonly_files={"tests/t.py": b"y"}, stdin=b"in", python="/usr/bin/python3", site=True)
+    assert all(getattr(p, f.name) not in (None, (), {}, b"", False) or f.name in ("code", "argv")
+               for f in dataclasses.fields(Payload))                         # a new field must be set here too
+    assert _unwire(pickle.loads(pickle.dumps(_wire(p)))) == p

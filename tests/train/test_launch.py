@@ -1,0 +1,104 @@
+"""The multi-process training entry (`python -m ratchet.train.launch`) with the DeepSpeed trainer
+across 2 CPU processes (gloo), started by DeepSpeed's own launcher (`deepspeed --num_gpus 2
+--module ratchet.train.launch ...`; on CPU it starts one process per "slot" all the same)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ratchet.config import RolloutConfig, TrainConfig
+from ratchet.model import save_policy
+from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.rollout.wave import wave_frame
+from ratchet.store import open_store
+from ratchet.train.checkpoint import save_checkpoint
+from ratchet.train.launch import shard_groups
+from tests.train import tiny
+
+pytest.importorskip("deepspeed")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Spec:
+    def __init__(self, i: int):
+        self.task_id, self.family, self.difficulty, self.prompt = f"t{i}", "f", 1, tiny.CORPUS[i][:30]
+
+
+def _store_with_wave(tmp_path, n_groups: int):
+    store = open_store(str(tmp_path / "store"))
+    model, tok = tiny.model(), tiny.tokenizer()
+    save_checkpoint(store, "r", 0, lambda d: save_policy(model, tok, d))
+    specs = [_Spec(i) for i in range(n_groups)]
+    rollouts = TorchEngine(model, tok).generate([s.prompt for s in specs], n=4, max_new_tokens=6, seed=0)
+    rng = random.Random(0)
+    rewards = [float(x) for g in range(n_groups) for x in ([1, 0, 0, 1] if g % 2 else [0, 1, rng.random() < .5, 1])]
+    frame = wave_frame("r", 0, 0, specs, rollouts, 4).with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
+    store.write_table("runs/r/waves/000000/scored.parquet", frame)
+    return store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_shard_groups_gives_every_rank_the_same_number_of_whole_groups():
+    class S:
+        def __init__(self, g):
+            self.group = g
+    samples = [S(g) for g in "aabbccddeee"]                          # 5 groups
+    r0, cut0 = shard_groups(samples, 0, 2)
+    r1, cut1 = shard_groups(samples, 1, 2)
+    assert [s.group for s in r0] == list("aacc") and [s.group for s in r1] == list("bbdd")
+    assert cut0 == cut1 == 1                                        # group "e": cut, reported
+    assert shard_groups(samples, 0, 1) == (samples, 0)
+
+
+@pytest.mark.slow
+def test_two_cpu_processes_train_one_wave_and_write_the_next_checkpoint(tmp_path):
+    store = _store_with_wave(tmp_path, n_groups=5)
+    cfg = {"store": {"uri": str(tmp_path / "store")}, "model": tiny.TINY.model_dump(),
+           "rollout": RolloutConfig(group_size=4, max_new_tokens=6).model_dump(),
+           "train": TrainConfig(backend="deepspeed", zero_stage=2, minibatch_prompts=1, updates_per_batch=1,
+                                lr=1e-2).model_dump()}
+    (tmp_path / "run.json").write_text(json.dumps(cfg))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    args = ["--config", str(tmp_path / "run.json"), "--run-id", "r", "--step", "0"]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), "--module", "ratchet.train.launch", *args]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+    assert report["world_size"] == 2 and report["version"] == 1
+    assert report["groups_per_rank"] == 2 and report["groups_cut"] == 1        # 5 groups: 2 + 2, one cut
+    assert report["optimizer_steps"] == [2, 2]                                 # same steps on both ranks
+    assert report["optimizer_state"].startswith("fresh")                       # v0 has no trainer state
+
+    new = Path(tmp_path / "v1")
+    from ratchet.train.checkpoint import load_latest
+    ref, path = load_latest(store, "r", new)
+    assert ref.key.startswith("runs/r/checkpoints/000001/")
+    assert json.loads((path / "ledger.json").read_text())["consumed_waves"] == [0]
+    states = [torch.load(path / f"trainer-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert [s["optimizer"]["rank"] for s in states] == [0, 1] and {s["optimizer"]["world_size"] for s in states} == {2}
+    before = tiny.model().state_dict()
+    after = load_file(path / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in after if k in before)   # the weights moved
+    trained = store.read_table("runs/r/waves/000000/trained.parquet")
+    assert trained["advantage"].is_not_null().sum() == 16                      # the 4 groups trained on
+
+    again = subprocess.run([sys.executable, "-m", "ratchet.train.launch", *args], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "never trained twice" in again.stderr      # a wave is not trained twice
