@@ -124,6 +124,8 @@ class ContextPhase(Frozen):
                           "(1.0 with rope_type default).")
     retrieval_share: float = Field(0.5, ge=0, le=1, description="Share of this phase's training sequences that are "
                                    "needle-in-a-haystack retrieval sequences (ratchet/eval/niah.py); the rest are task demonstrations.")
+    key_digits: int = Field(5, ge=1, le=32, description="Digits of the keys in this phase's retrieval sequences (probe "
+                            "with the same niah.key_digits: fewer digits are learnt in fewer steps).")
 
 
 class ModelConfig(Frozen):

@@ -87,7 +87,7 @@ def extend_context(model, tokenizer, phase, demos: list[tuple[str, str]], cfg: M
     set_context(model, phase.seq_len, phase.rope_type, phase.factor, original=cfg.max_seq_len)
     pool = max(1, min(phase.steps * phase.batch, 2048))       # examples to draw the batches from
     n_retrieval = round(pool * phase.retrieval_share) if demos else pool
-    examples = retrieval_examples(tokenizer, n_retrieval, phase.seq_len, seed=seed)
+    examples = retrieval_examples(tokenizer, n_retrieval, phase.seq_len, key_digits=phase.key_digits, seed=seed)
     if demos and n_retrieval < pool:
         rng = random.Random(f"phase-demos:{seed}")
         examples += [demos[rng.randrange(len(demos))] for _ in range(pool - n_retrieval)]

@@ -126,13 +126,15 @@ def test_linear_rope_divides_the_frequencies(tok):
 
 def test_context_phase_trains_at_the_longer_length(tok, specs):
     model = build_model(TINY, tok)
-    lengths = []
-    model.register_forward_pre_hook(lambda _m, _a, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    phase = ContextPhase(seq_len=256, steps=3, batch=4, rope_type="linear", factor=2.0, retrieval_share=1.0)
+    batches = []
+    model.register_forward_pre_hook(lambda _m, _a, kw: batches.append(kw["input_ids"]), with_kwargs=True)
+    phase = ContextPhase(seq_len=256, steps=3, batch=4, rope_type="linear", factor=2.0, retrieval_share=1.0, key_digits=2)
     losses = extend_context(model, tok, phase, [], TINY, seed=1)
     assert len(losses) == 3 and all(l > 0 for l in losses)
     assert model.config.max_position_embeddings == 256 and model.config.rope_parameters["rope_type"] == "linear"
-    assert 128 < max(lengths) <= 256                          # past the short context, within the new one
+    assert 128 < max(b.shape[1] for b in batches) <= 256     # past the short context, within the new one
+    keys = [re.findall(r"The key is (\d+)\.", tok.decode(row)) for b in batches for row in b]
+    assert all(len(k) == 2 and len(set(k)) == 1 and len(k[0]) == 2 for k in keys)   # needle + answer, 2 digits
     examples = retrieval_examples(tok, 20, 256, seed=1)
     assert all(recalled(c, re.search(r"key is (\d+)", p).group(1)) for p, c in examples)
 
