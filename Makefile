@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) -m bench.sandbox
 	$(PY) -m bench.rollout
 	$(PY) -m bench.train_step
+	$(PY) -m bench.orchestration
 
 clean:
 	rm -rf .ratchet
