@@ -67,10 +67,12 @@ def niah_command(
         fail(f"{err['msg']}", f"--{str(err['loc'][0]).replace('_', '-')}")
     from ratchet.eval.niah import probe
     from ratchet.model import load_policy
+    from ratchet.watch import progress_bar
 
     loaded, tokenizer = load_policy(model)
     try:
-        result = probe(loaded, tokenizer, cfg)
+        with progress_bar("needle in a haystack") as progress:   # on a terminal only
+            result = probe(loaded, tokenizer, cfg, progress=progress)
     except ValueError as e:
         fail(str(e), "--lengths")
     typer.echo(result.text())

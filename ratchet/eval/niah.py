@@ -162,8 +162,9 @@ def check_lengths(lengths: tuple[int, ...], limit: int, answer_room: int, beyond
                              f"positions (at most {limit - answer_room}; beyond_limit allows it)")
 
 
-def probe(model, tokenizer, cfg: NiahConfig = NiahConfig(), engine=None) -> NiahResult:
-    """Greedy recall of the key at every (depth, length) cell, `cfg.trials` haystacks each."""
+def probe(model, tokenizer, cfg: NiahConfig = NiahConfig(), engine=None, progress=None) -> NiahResult:
+    """Greedy recall of the key at every (depth, length) cell, `cfg.trials` haystacks each.
+    `progress(done, total)`, if given, is called after each length (in haystacks)."""
     from ratchet.rollout.torch_engine import TorchEngine
 
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -171,7 +172,7 @@ def probe(model, tokenizer, cfg: NiahConfig = NiahConfig(), engine=None) -> Niah
     lengths = tuple(cfg.lengths) or default_lengths(limit, answer_room)
     check_lengths(lengths, limit, answer_room, cfg.beyond_limit)
     engine = engine or TorchEngine(model, tokenizer)
-    rows = []
+    rows, total = [], len(lengths) * len(cfg.depths) * cfg.trials
     for length in lengths:
         stacks = []
         for depth in cfg.depths:
@@ -183,6 +184,8 @@ def probe(model, tokenizer, cfg: NiahConfig = NiahConfig(), engine=None) -> Niah
         for (trial, h), out in zip(stacks, outs):
             rows.append({"length": length, "depth": h.depth, "trial": trial, "tokens": h.length,
                          "needle_at": h.needle_at, "key": h.key, "answer": out.text, "recalled": recalled(out.text, h.key)})
+        if progress:
+            progress(len(rows), total)
     return NiahResult(pl.DataFrame(rows), limit)
 
 

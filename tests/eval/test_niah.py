@@ -93,7 +93,9 @@ class LastTokensEngine:
 def test_probe_table_puts_each_cell_where_it_belongs(tok):
     model = build_model(TINY.model_copy(update={"max_seq_len": 512}), tok)
     cfg = NiahConfig(lengths=(160, 480), depths=(0.0, 1.0), trials=2)
-    result = probe(model, tok, cfg, engine=LastTokensEngine(tok, window=100))
+    seen = []
+    result = probe(model, tok, cfg, engine=LastTokensEngine(tok, window=100), progress=lambda d, t: seen.append((d, t)))
+    assert seen == [(4, 8), (8, 8)]                          # the progress bar's callback, once per length
     table = result.table()
     assert table.columns == ["depth", "160", "480"] and table["depth"].to_list() == [0.0, 1.0]
     assert table.row(1) == (1.0, 1.0, 1.0)                   # needle last: always within reach
