@@ -51,8 +51,8 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
     """One RL epoch on a gated wave; returns the next policy version and the train metrics.
     The advantages are computed here, once, stored beside the wave (`trained.parquet`), and
-    exactly those are trained on; the wave's behaviour policy may be at most `rollout.max_staleness`
-    versions old (async; sync: none), recorded as `staleness`. An epoch that fails part-way drops the session: its retry starts
+    exactly those are trained on; in async mode the wave's behaviour policy may be at most
+    `rollout.max_staleness` versions old; its age is recorded as `staleness`. An epoch that fails part-way drops the session: its retry starts
     from the checkpoint of `policy.version` if there is one, else stops with `StaleSession` and the
     run resumes from LATEST, redoing those waves identically (never a wave's steps applied twice)."""
     session = sessions.open_session(policy, cfg)

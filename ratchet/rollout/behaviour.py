@@ -188,14 +188,16 @@ def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
 
 
 def check_staleness(behaviour_version: int, version: int, rollout: RolloutConfig, step: int) -> int:
-    """How many versions the behaviour policy of wave `step` is behind the trainer's `version`;
-    an error when more than the mode allows (sync: 0; async: rollout.max_staleness) or negative."""
-    allowed = rollout.max_staleness if rollout.mode == "async" else 0
+    """How many versions the behaviour policy of wave `step` is behind the trainer's `version`; an
+    error when negative, or in async mode above rollout.max_staleness. (Sync mode samples every wave
+    from the version that trains on it, by construction; a wave trained again later, as a test or a
+    manual re-run does, is only recorded as stale: the importance weight corrects it.)"""
     staleness = version - behaviour_version
-    if not 0 <= staleness <= allowed:
+    bound = rollout.max_staleness if rollout.mode == "async" else None
+    if staleness < 0 or (bound is not None and staleness > bound):
         raise ValueError(f"wave {step}: sampled by policy version {behaviour_version}, trained at version {version}: "
-                         f"staleness {staleness} is outside 0..{allowed} (rollout.mode {rollout.mode}, "
-                         f"rollout.max_staleness {rollout.max_staleness})")
+                         f"staleness {staleness} is outside 0..{bound if bound is not None else 'any'} "
+                         f"(rollout.mode {rollout.mode}, rollout.max_staleness {rollout.max_staleness})")
     return staleness
 
 

@@ -134,9 +134,10 @@ def test_staleness_is_bounded_per_mode():
     sync, async2 = RolloutConfig(), RolloutConfig(mode="async", max_staleness=2)
     assert check_staleness(3, 3, sync, step=3) == 0
     assert check_staleness(1, 3, async2, step=3) == 2
-    with pytest.raises(ValueError, match=r"wave 3: sampled by policy version 2, trained at version 3: staleness 1 "
-                                         r"is outside 0\.\.0 \(rollout.mode sync"):
-        check_staleness(2, 3, sync, step=3)
+    assert check_staleness(2, 3, sync, step=3) == 1           # sync: recorded, not refused (a wave trained again)
+    with pytest.raises(ValueError, match=r"wave 3: sampled by policy version 4, trained at version 3: staleness -1 "
+                                         r"is outside 0\.\.any \(rollout.mode sync"):
+        check_staleness(4, 3, sync, step=3)
     with pytest.raises(ValueError, match="staleness 3 is outside 0..2"):
         check_staleness(0, 3, async2, step=3)
     with pytest.raises(ValueError, match="staleness -1"):
