@@ -12,7 +12,9 @@ the same flow in sync mode: same waves, same start, same config otherwise.
    tasks reused: sync (each wave sampled, scored, trained in turn) and async (`rollout.mode: async`,
    `rollout.max_staleness: --staleness`: the engine samples the next waves from a copy of older
    weights while a wave is scored and trained; the loss corrects with truncated IS, `rl.is_cap`).
-   Alternating which goes first is not done: one pair per invocation, sync first.
+   One pair per invocation, sync first (`--async-first`: the other order); on a shared machine run
+   both orders and compare the load averages printed: a load change between the two runs moves
+   the ratio more than anything measured.
 
 Reported per mode: `wall_s`, the wave loop's wall time (from the base evaluation's record to the
 last wave's stats.json: every rollout, scoring, gate and training epoch); `flow_s`, the whole
@@ -68,7 +70,8 @@ def run(store: Path, run_id: str, args, **rollout) -> dict:
             "pass_rate": summary["final_pass_rate"], "ci": summary["final"]["ci"],
             "base_pass_rate": summary["base_pass_rate"],
             "staleness_mean": round(sum(h.get("staleness", 0) for h in history) / len(history), 2),
-            "reward_mean": round(sum(h["reward_mean"] for h in history) / len(history), 4)}
+            "reward_mean": round(sum(h["reward_mean"] for h in history) / len(history), 4),
+            "load_avg_after": [round(x, 1) for x in os.getloadavg()]}
 
 
 def main() -> None:
@@ -78,6 +81,7 @@ def main() -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness of the async run")
     p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated (greedy pass@1)")
+    p.add_argument("--async-first", action="store_true", help="run the async flow first (machine drift hits the other side)")
     p.add_argument("--train-tasks", type=int, default=1000, help="training tasks produced (and audited)")
     args = p.parse_args()
 
@@ -90,10 +94,14 @@ def main() -> None:
         warm = config(str(store), "bench-warm", args).model_copy(update={"steps": 1})
         nightly(warm)
         start = store / "runs/bench-warm/checkpoints/000000"          # the SFT warm start, version 0
-        sync = run(store, "bench-sync", args, model_path=str(start))
-        asyn = run(store, "bench-async", args, model_path=str(start), mode="async", max_staleness=args.staleness)
+        runs = {"sync": lambda: run(store, "bench-sync", args, model_path=str(start)),
+                "async": lambda: run(store, "bench-async", args, model_path=str(start), mode="async",
+                                     max_staleness=args.staleness)}
+        order = ["async", "sync"] if args.async_first else ["sync", "async"]
+        done = {mode: runs[mode]() for mode in order}
+        sync, asyn = done["sync"], done["async"]
     out = {"sync": sync, "async": asyn, "ratio": round(asyn["wall_s"] / sync["wall_s"], 3),
-           "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_staleness": args.staleness,
+           "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_staleness": args.staleness, "order": order,
            "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}
     print(json.dumps(out))
 
