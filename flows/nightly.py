@@ -3,6 +3,7 @@
     produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
     -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> watch_wave -> check_health
         (-> checkpoint_policy, evaluate)] x steps
+       (rollout.mode async: the rollouts of the next max_staleness waves run while a wave trains)
     -> publish_curves -> checkpoint_policy -> evaluate (final) -> promote -> write_summary
 
 Run it from Python:   from flows.nightly import nightly; nightly(NightlyConfig(steps=10))
@@ -37,6 +38,20 @@ from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 from tasks.watch import publish_curves, watch_wave
 
 
+def sample_wave(policy, step: int, train: list, cfg: NightlyConfig, ahead: dict):
+    """Wave `step`. sync: sampled now by `policy`. async (rollout.mode): the wave started earlier on
+    the engine, by a policy up to rollout.max_staleness versions older; before returning it, queue the
+    waves up to step + max_staleness from `policy`, so they sample while this one is scored and trained."""
+    if cfg.rollout.mode == "sync":
+        return rollout_wave(policy, step, train, cfg)
+    wave = (ahead.pop(step, None) or rollout_wave.submit(policy, step, train, cfg)).result()
+    for later in range(step + 1, min(step + cfg.rollout.max_staleness, cfg.steps - 1) + 1):
+        if later not in ahead:   # one engine: each wave after the one before it
+            before = [ahead[later - 1]] if later - 1 in ahead else None
+            ahead[later] = rollout_wave.submit(policy, later, train, cfg, wait_for=before)
+    return wave
+
+
 @flow(name="nightly", log_prints=True, persist_result=True)
 def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     """Train on audited environments; promote the result only if it beats the incumbent."""
@@ -56,8 +71,9 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         base = evaluate(policy.model_copy(update={"version": 0}), heldout, cfg)  # cached per version: resume-safe
         logger.info("run %s starts at policy v%d, held-out pass@1 %.3f", run_id, policy.version, base["pass_rate"])
 
+        ahead: dict = {}                               # async: waves sampling while earlier ones train
         for step in range(policy.version, cfg.steps):  # one wave per policy version
-            wave, rollout_stats = rollout_wave(policy, step, train, cfg)
+            wave, rollout_stats = sample_wave(policy, step, train, cfg, ahead)
             scored, wave_stats = score_wave(wave, train, cfg)
             gated = gate_wave(scored, train, cfg)
             policy, train_stats = train_epoch(policy, gated, cfg)

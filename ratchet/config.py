@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ratchet.sandbox.model import Limits
 
@@ -185,6 +185,42 @@ class RolloutConfig(Frozen):
     max_new_tokens: int = Field(48, ge=1, le=8192, description="Completion length cap, in tokens.")
     temperature: float = Field(1.0, gt=0, le=5.0, description="Sampling temperature.")
     batch_size: int = Field(128, ge=1, le=65536, description="Sequences decoded together by the torch engine.")
+    engine: Literal["torch", "http", "vllm"] = Field(
+        "torch", description="What samples the waves: torch = the in-process engine; http = a `ratchet serve` "
+        "server at engine_url; vllm = a vLLM server (GPU), started from vllm_python or reached at engine_url. "
+        "A server gets each new policy version's weights through sync_dir (ratchet/rollout/behaviour.py).")
+    engine_url: str | None = Field(
+        None, description="URL of the engine server (http: required; vllm: use this server instead of starting one), "
+        "e.g. http://10.0.0.5:8000. It must read sync_dir at the same path.")
+    vllm_python: str | None = Field(
+        None, description="The python of vLLM's own virtual environment (vllm engine without engine_url): ratchet "
+        "starts `<vllm_python> -m vllm.entrypoints.cli.main serve` with prefix caching and stops it at exit.")
+    vllm_args: tuple[str, ...] = Field(
+        (), description="Extra arguments for the vLLM server, e.g. [\"--gpu-memory-utilization\", \"0.4\"] when the "
+        "trainer shares its GPU, [\"--tensor-parallel-size\", \"2\"] on a GPU of its own.")
+    vllm_sync: Literal["reload", "restart"] = Field(
+        "reload", description="How the vLLM server gets each new policy version: reload = in place from the version's "
+        "directory (dev-mode /collective_rpc reload_weights, then /reset_prefix_cache); restart = a new server on it.")
+    sync_dir: str | None = Field(
+        None, description="Directory where each policy version's weights are written for a server engine to load "
+        "(shared with the server's machine). Empty: a local scratch directory.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: each wave is sampled by the policy that then trains on it. async: the engine samples "
+        "up to max_staleness waves ahead while the trainer trains, from a copy of older weights; the loss corrects "
+        "the gap with truncated importance sampling (rl.is_cap).")
+    max_staleness: int = Field(
+        1, ge=1, le=64, description="async: how many policy versions older than the trainer a wave's behaviour policy "
+        "may be; the engine runs this many waves ahead (wave k is sampled by version k - max_staleness).")
+
+    @model_validator(mode="after")
+    def _engine_reachable(self):
+        if self.engine == "http" and not self.engine_url:
+            raise ValueError("rollout.engine: 'http' needs rollout.engine_url (the `ratchet serve` URL)")
+        if self.engine == "vllm" and not (self.engine_url or self.vllm_python):
+            raise ValueError("rollout.engine: 'vllm' needs rollout.vllm_python (to start vLLM) or rollout.engine_url")
+        if self.vllm_sync == "restart" and self.engine_url and self.engine == "vllm":
+            raise ValueError("rollout.vllm_sync: 'restart' needs a server ratchet starts (vllm_python), not engine_url")
+        return self
 
 
 class RLConfig(Frozen):

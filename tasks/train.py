@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from envs.snapshot import load_specs
 from ratchet import stages
 from ratchet.config import NightlyConfig
+from ratchet.rollout.behaviour import check_staleness, cpu_share
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
 from ratchet.train.checkpoint import load_latest, save_checkpoint
@@ -52,23 +53,27 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tuple[sessions.PolicyRef, dict]:
     """One RL epoch on a gated wave; returns the next policy version and the train metrics.
     The advantages are computed here, once, stored beside the wave (`trained.parquet`), and
-    exactly those are trained on. An epoch that fails part-way drops the session: its retry starts
+    exactly those are trained on; in async mode the wave's behaviour policy may be at most
+    `rollout.max_staleness` versions old; its age is recorded as `staleness`. An epoch that fails part-way drops the session: its retry starts
     from the checkpoint of `policy.version` if there is one, else stops with `StaleSession` and the
     run resumes from LATEST, redoing those waves identically (never a wave's steps applied twice)."""
     session = sessions.open_session(policy, cfg)
     store = open_store(cfg.store)
     frame = store.read_table(wave)
+    staleness = check_staleness(int(frame["policy_version"].min()), policy.version, cfg.rollout, int(frame["step"][0]))
     samples = session.trainer.assign_advantages(stages.train_samples(frame, session.engine.encode_prompts, cfg))
     store.write_table(wave.sibling("trained.parquet"), stages.with_advantages(frame, samples))
     try:
-        metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
+        with cpu_share(cfg.rollout, session.trainer.device):   # async on CPU: leave the sampler its cores
+            metrics = session.trainer.train_wave(samples) if samples else {"train_samples": 0}
     except BaseException:
         sessions.discard(policy.run_id)   # half-updated: a retry restores the last good state, never reuses these
         raise
     metrics["staleness"] = stages.staleness(frame, session.version)
     session.version += 1
     session.consumed_waves.append(int(frame["step"][0]))
-    return session.ref(policy.checkpoint, policy.checkpoint_version), metrics
+    sessions.publish(session)             # the behaviour engine may sample from this version from now on
+    return session.ref(policy.checkpoint, policy.checkpoint_version), {**metrics, "staleness": staleness}
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)

@@ -1,4 +1,4 @@
-"""A rollout engine reached over HTTP: `ratchet serve`, or (later) a vLLM OpenAI server.
+"""A rollout engine reached over HTTP: `ratchet serve`, or a vLLM OpenAI server (ratchet/rollout/vllm.py).
 
     engine = HTTPEngine("http://127.0.0.1:8000", checkpoint_path=lambda v: f"runs/r/checkpoints/{v}")
     rollouts = engine.generate(prompts, n=8, max_new_tokens=48, seed=0)    # same contract as TorchEngine
@@ -14,7 +14,7 @@ Against vLLM (not run here: no GPU): start it with `--logprobs-mode processed_lo
 log-probs are the raw logits' and not the behaviour policy's at temperature != 1. vLLM keeps
 the tokens after a stop string's end inside the last token out of `text`, while ratchet keeps
 them (its text is decode(ids)). vLLM has no /v1/load: its weight sync is the dev-mode
-weight-transfer API (NCCL/IPC), which set_policy_version does not speak yet. Prompts: ratchet
+weight-transfer API (NCCL/IPC); `VLLMEngine` (vllm.py) syncs by reloading from a directory instead. Prompts: ratchet
 prepends BOS itself (TorchEngine.encode_prompts); vLLM tokenises with the tokenizer's own
 special-token template, which for ratchet's embedded tokenizer adds no BOS, so the same text
 prompt is not the same ids there (send token-id prompts, or save the tokenizer with a BOS
@@ -95,7 +95,8 @@ class HTTPEngine:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                return json.loads(resp.read())
+                raw = resp.read()
+                return json.loads(raw) if raw.strip() else {}   # some control endpoints answer 200 with no body
         except urllib.error.HTTPError as e:   # an answer, not a network failure
             message = _error_message(e)
             if e.code >= 500:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ratchet.config import NightlyConfig
 from ratchet.model import load_policy, save_policy, use_chat_template
+from ratchet.rollout.behaviour import Behaviour, open_behaviour
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import ArtifactStore, Ref, store_for
 from ratchet.train.checkpoint import load_checkpoint, save_checkpoint
@@ -56,6 +57,8 @@ class PolicySession:
     engine: TorchEngine
     trainer: TorchTrainer
     consumed_waves: list[int]
+    behaviour: Behaviour | None = None
+    """What samples the waves (ratchet/rollout/behaviour.py): opened by the first rollout."""
 
     def ref(self, checkpoint: Ref | None, checkpoint_version: int | None) -> PolicyRef:
         return PolicyRef(run_id=self.run_id, version=self.version, checkpoint=checkpoint,
@@ -122,6 +125,32 @@ def open_session(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
             f"checkpoint is version {session.version}; resume the run from its LATEST checkpoint"
         )
     return session
+
+
+def sampling_session(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
+    """The session a wave of `policy` samples from: the live one, even when the trainer has moved
+    past `policy.version` (async: its behaviour engine keeps that version published), else open_session."""
+    with _LOCK:
+        session = _SESSIONS.get(policy.run_id)
+    if session is not None and session.behaviour is not None and policy.version in session.behaviour.published():
+        return session
+    return open_session(policy, cfg)
+
+
+def behaviour(session: PolicySession, cfg: NightlyConfig) -> Behaviour:
+    """The session's behaviour engine, opened on first use with the session's version published."""
+    with _LOCK:
+        if session.behaviour is None:
+            session.behaviour = open_behaviour(session.engine, cfg.rollout, cfg.train.seed)
+            publish(session)
+    return session.behaviour
+
+
+def publish(session: PolicySession) -> None:
+    """Hand the session's weights, as its current version, to its behaviour engine (after each epoch)."""
+    if session.behaviour is not None:
+        with getattr(session.trainer, "gathered", contextlib.nullcontext)():   # ZeRO-3: whole weights
+            session.behaviour.publish(session.version, session.model, session.tokenizer)
 
 
 def save_session(session: PolicySession, store: ArtifactStore) -> PolicyRef:

@@ -1,0 +1,217 @@
+"""The behaviour policy: the engine that samples waves, with weights of its own, apart from the trainer's.
+
+    behaviour = TorchCopy(session.engine, keep=2)            # async, in-process: a second copy of the weights
+    behaviour = ServerWeights(HTTPEngine(url), sync_dir, keep=1)   # `ratchet serve` / vLLM: weights through a directory
+    behaviour.publish(3, model, tokenizer)                   # trainer side, after an epoch: version 3 handed over
+    with behaviour.at(3) as engine:                          # rollout side: the engine, its weights moved to version 3
+        rollouts = engine.generate(prompts, n=8)
+
+Why: in async mode (`rollout.mode: async`) wave k+1 is sampled while wave k trains, so the weights
+it samples from must not be the ones being updated; and a server engine (`ratchet serve`, vLLM)
+holds its own copy in another process anyway. The trainer publishes every new version; the rollout
+asks for exactly the version its wave was given (`PolicyRef.version`, which the wave records as
+`policy_version`), so which weights sampled a wave never depends on thread timing. A version is
+kept until `keep` newer ones are published (`rollout.max_staleness` + 1: a wave submitted ahead still
+finds its version after the trainer moved on).
+
+Weight sync, per engine: the in-process copy takes a `load_state_dict` from a CPU snapshot; a server
+is sent the directory of that version's weights (safetensors, Hugging Face layout, written by
+`publish`): `ratchet serve` loads it on POST /v1/load, vLLM per `ratchet/rollout/vllm.py`. Each sync is
+timed (`last_sync_s`, and logged by the rollout task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from ratchet.config import RolloutConfig
+
+
+class Behaviour(ABC):
+    """Published versions (kept until `keep` newer exist) and an engine moved between them."""
+
+    def __init__(self, engine, keep: int):
+        if keep < 1:
+            raise ValueError(f"keep: at least 1 published version must be kept, got {keep}")
+        self.engine, self.keep = engine, keep
+        self.loaded: int | None = None      # the version the engine's weights are now
+        self.syncs, self.last_sync_s = 0, 0.0
+        self._versions: dict[int, object] = {}
+        self._lock = threading.Lock()       # the version table
+        self._use = threading.Lock()        # one wave at a time on the engine: its weights never move under it
+
+    def publish(self, version: int, model: torch.nn.Module, tokenizer) -> None:
+        """Hand over the weights of `version` (call when nothing is updating `model`)."""
+        snapshot = self._snapshot(version, model, tokenizer)
+        with self._lock:
+            self._versions[version] = snapshot
+            stale = sorted(self._versions)[:-self.keep]
+            dropped = [(v, self._versions.pop(v)) for v in stale]
+        for v, snap in dropped:
+            self._drop(v, snap)
+
+    def published(self) -> list[int]:
+        with self._lock:
+            return sorted(self._versions)
+
+    @contextlib.contextmanager
+    def at(self, version: int) -> Iterator:
+        """The engine with the weights of `version`, held for the caller's exclusive use."""
+        with self._use:
+            if self.loaded != version:
+                with self._lock:
+                    snapshot = self._versions.get(version)
+                if snapshot is None:
+                    raise LookupError(f"behaviour policy: version {version} was never published or was dropped "
+                                      f"(published: {self.published()}; keep={self.keep})")
+                t0 = time.perf_counter()
+                self._load(version, snapshot)
+                self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - t0
+                self.loaded = version
+                self.engine.policy_version = version
+            yield self.engine
+
+    def close(self) -> None:
+        with self._lock:
+            dropped = list(self._versions.items())
+            self._versions.clear()
+        for v, snap in dropped:
+            self._drop(v, snap)
+
+    @abstractmethod
+    def _snapshot(self, version: int, model, tokenizer) -> object: ...
+
+    @abstractmethod
+    def _load(self, version: int, snapshot: object) -> None: ...
+
+    def _drop(self, version: int, snapshot: object) -> None:
+        """Free a snapshot no wave can ask for any more."""
+
+
+class Shared(Behaviour):
+    """Sync mode, in-process: the engine samples with the trainer's own weights (no copy, no sync).
+    Only the version it was last told is checked: a wave must be sampled by the policy it records."""
+
+    def __init__(self, engine):
+        super().__init__(engine, keep=1)
+
+    def _snapshot(self, version, model, tokenizer):
+        self.loaded = None               # the shared weights are `version`'s now, no longer those loaded before
+        return version
+
+    def _load(self, version, snapshot):
+        pass
+
+
+class TorchCopy(Behaviour):
+    """A second in-process copy of the model for the engine; each version a CPU snapshot of the state dict."""
+
+    def __init__(self, engine, keep: int):
+        twin = copy.copy(engine)             # the same engine settings (device, tokenizer, prompts), its own weights
+        twin.model = copy.deepcopy(engine.model).eval().requires_grad_(False)
+        super().__init__(twin, keep)
+
+    def _snapshot(self, version, model, tokenizer):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def _load(self, version, snapshot):
+        self.engine.model.load_state_dict(snapshot)
+
+
+class ServerWeights(Behaviour):
+    """A server engine (HTTPEngine to `ratchet serve`, or vLLM): each version's weights saved under
+    `sync_dir/v<version>` and loaded by the server from there (`engine.set_policy_version(v, path)`).
+    With `start` instead of an engine, the server is started on the first version's directory."""
+
+    def __init__(self, engine, sync_dir: str | Path, keep: int, start: Callable[[str], object] | None = None):
+        if engine is None and start is None:
+            raise ValueError("ServerWeights: give an engine, or how to start one")
+        super().__init__(engine, keep)
+        self.start = start
+        self.sync_dir = Path(sync_dir)
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+
+    def _snapshot(self, version, model, tokenizer):
+        from ratchet.model import save_policy
+
+        path = self.sync_dir / f"v{version:06d}"
+        tmp = self.sync_dir / f".v{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_policy(model, tokenizer, tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)                     # complete or absent: a server never reads a half-written version
+        return path
+
+    def _load(self, version, snapshot):
+        if self.engine is None:
+            self.engine = self.start(str(snapshot))     # started on this version: nothing to sync
+        else:
+            self.engine.set_policy_version(version, path=str(snapshot))
+        keep = {snapshot} | {self.sync_dir / f"v{v:06d}" for v in self.published()}
+        for old in self.sync_dir.glob("v*"):   # versions dropped while the server still served them
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _drop(self, version, snapshot):
+        if self.loaded != version:           # the server may still read the files of the version it serves
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
+    """The behaviour engine `rollout` asks for, beside the session's in-process `engine` (a TorchEngine).
+    Nothing is published yet: the caller publishes the session's version."""
+    keep = rollout.max_staleness + 1 if rollout.mode == "async" else 1
+    if rollout.engine == "torch":
+        return TorchCopy(engine, keep) if rollout.mode == "async" else Shared(engine)
+    sync_dir = rollout.sync_dir or tempfile.mkdtemp(prefix=f"ratchet-sync-{os.getpid()}-")   # scratch: removed when stale
+    if rollout.engine == "http":
+        from ratchet.rollout.client import HTTPEngine
+
+        return ServerWeights(HTTPEngine(rollout.engine_url), sync_dir, keep)
+    from ratchet.rollout.vllm import VLLMEngine, vllm_engine
+
+    if rollout.engine_url:
+        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync), sync_dir, keep)
+    start = lambda path: vllm_engine(rollout.vllm_python, path, rollout.vllm_args, rollout.vllm_sync, seed)  # noqa: E731
+    return ServerWeights(None, sync_dir, keep, start=start)
+
+
+def check_staleness(behaviour_version: int, version: int, rollout: RolloutConfig, step: int) -> int:
+    """How many versions the behaviour policy of wave `step` is behind the trainer's `version`; an
+    error when negative, or in async mode above rollout.max_staleness. (Sync mode samples every wave
+    from the version that trains on it, by construction; a wave trained again later, as a test or a
+    manual re-run does, is only recorded as stale: the importance weight corrects it.)"""
+    staleness = version - behaviour_version
+    bound = rollout.max_staleness if rollout.mode == "async" else None
+    if staleness < 0 or (bound is not None and staleness > bound):
+        raise ValueError(f"wave {step}: sampled by policy version {behaviour_version}, trained at version {version}: "
+                         f"staleness {staleness} is outside 0..{bound if bound is not None else 'any'} "
+                         f"(rollout.mode {rollout.mode}, rollout.max_staleness {rollout.max_staleness})")
+    return staleness
+
+
+@contextlib.contextmanager
+def cpu_share(rollout: RolloutConfig, device: torch.device | str = "cpu") -> Iterator[None]:
+    """In async mode on CPU, the calling thread's torch ops use half the cores while inside: the
+    sampling thread and the training thread each get their share instead of both spinning on all
+    of them (torch's intra-op thread count is per thread). Elsewhere: nothing changes."""
+    if rollout.mode != "async" or torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
