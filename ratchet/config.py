@@ -194,7 +194,7 @@ class RolloutConfig(Frozen):
         "e.g. http://10.0.0.5:8000. It must read sync_dir at the same path.")
     vllm_python: str | None = Field(
         None, description="The python of vLLM's own virtual environment (vllm engine without engine_url): ratchet "
-        "starts `<vllm_python> -m vllm.entrypoints.cli.main serve` with prefix caching and stops it at exit.")
+        "starts `{vllm_python} -m vllm.entrypoints.cli.main serve` with prefix caching and stops it at exit.")
     vllm_args: tuple[str, ...] = Field(
         (), description="Extra arguments for the vLLM server, e.g. [\"--gpu-memory-utilization\", \"0.4\"] when the "
         "trainer shares its GPU, [\"--tensor-parallel-size\", \"2\"] on a GPU of its own.")
