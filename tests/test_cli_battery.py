@@ -1,6 +1,6 @@
 """Bad input to every command: one clean `error:` line, the right exit code, the store untouched.
 
-    /work/main/.venv/bin/python -m pytest tests/test_cli_battery.py -q
+    .venv/bin/python -m pytest tests/test_cli_battery.py -q
 
 Each case feeds one command (run, verify, envs import, gate check, sandbox run, sandbox doctor,
 trace show, trace replay)

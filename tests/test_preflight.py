@@ -1,6 +1,6 @@
 """ratchet.preflight: every setting that would fail later, found before anything starts.
 
-    /work/main/.venv/bin/python -m pytest tests/test_preflight.py -q
+    .venv/bin/python -m pytest tests/test_preflight.py -q
 """
 
 from __future__ import annotations

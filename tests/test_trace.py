@@ -1,7 +1,7 @@
 """Traces you can replay: the verifier's feedback, a real scored wave shown readably, its rewards
 replayed through the real sandbox, and drift (a changed hidden test, a tampered snapshot) caught.
 
-    /work/main/.venv/bin/python -m pytest tests/test_trace.py -q
+    .venv/bin/python -m pytest tests/test_trace.py -q
 
 The wave is built as a nightly run builds it, without a model: real python_functions tasks
 (envs production), completions written here (the reference, a wrong answer that prints, one

@@ -1,6 +1,6 @@
 """An imported task set as a source: split, dedup, contamination, versioning, bad lines, curriculum.
 
-    /work/main/.venv/bin/python -m pytest tests/envs/test_sources.py -q
+    .venv/bin/python -m pytest tests/envs/test_sources.py -q
 """
 
 from __future__ import annotations

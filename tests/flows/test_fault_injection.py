@@ -26,19 +26,11 @@ from pathlib import Path
 import pytest
 
 from ratchet.store import open_store
+from tests.flows.test_signals import TINY as SIGNALS_TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
-TINY = {
-    "steps": STEPS, "checkpoint_every": 2,
-    "envs": {"n_train": 60, "n_heldout": 12},
-    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "vocab_size": 200, "sft_steps": 20, "sft_batch": 16},
-    "rollout": {"prompts_per_wave": 4, "group_size": 4, "max_new_tokens": 16},
-    "train": {"minibatch_prompts": 2},
-    "gate": {"max_zero_variance_frac": 1.0},
-    "monitor": {"max_zero_variance_frac": None},   # the tiny model's groups are all-equal
-    "eval": {"n_tasks": 12},
-}
+TINY = {**SIGNALS_TINY, "steps": STEPS}   # the signal tests' tiny run, shorter
 # (point, highest visit drawn): a tiny run visits each point at least this often
 POINTS = [("store.write.between", 50), ("store.put_dir", 10)]   # checkpoint.latest too, by hand: passed
 

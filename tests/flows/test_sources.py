@@ -1,6 +1,6 @@
 """An imported task set as a source of the nightly cycle, beside a generated family.
 
-    /work/main/.venv/bin/python -m pytest tests/flows/test_sources.py -q
+    .venv/bin/python -m pytest tests/flows/test_sources.py -q
 
 The file's tasks are pytest tasks that carry their own test files and need a dependency the host
 does not have (`tinyops`, a wheel built here: `tinyops @ file:///...`, so no network), plus

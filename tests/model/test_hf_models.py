@@ -2,7 +2,7 @@
 downloaded), loaded through the Auto classes, sampled by the engine, post-trained by the nightly
 flow, and saved back in a layout `AutoModelForCausalLM.from_pretrained` loads as is.
 
-    /work/main/.venv/bin/python -m pytest tests/model/test_hf_models.py -q
+    .venv/bin/python -m pytest tests/model/test_hf_models.py -q
 
 The Llama tokenizer has a BOS, no pad token (EOS stands in) and no chat template; the Qwen2 one
 has no BOS, a ChatML chat template, and an end-of-turn token that only its generation config
