@@ -223,6 +223,29 @@ class RolloutConfig(Frozen):
         return self
 
 
+class AgentConfig(Frozen):
+    """Multi-turn episodes: the model answers, the sandbox's verdict comes back as an observation, the model
+    revises (ratchet/agent.py). turns 1 is single-turn sampling."""
+
+    turns: int = Field(
+        1, ge=1, le=64, description="Most turns per episode: 1 = one answer per prompt (single-turn); K of 2 or more = "
+        "answer, read the sandbox's feedback, revise, up to K answers. Evaluation runs the same K turns and reports "
+        "the pass rate after every turn (turn 1 is the single-turn figure).")
+    observation_tokens: int = Field(
+        48, ge=8, le=8192, description="Token budget of one observation (tests passed and failed, the failing "
+        "assertion, the error tail); longer feedback is cut to it.")
+    stop_on_pass: bool = Field(
+        True, description="End an episode at the first answer that passes; off: every episode runs to the turn or "
+        "context limit. An episode also ends when the next turn would not fit in the model's context.")
+    turn_penalty: float = Field(
+        0.0, ge=0, le=1, description="Per-turn shaping: subtracted from the trajectory's reward (the final answer's) "
+        "for each turn after the first, so that solving sooner is worth more. 0: the final state's reward alone.")
+    revision_demos: float = Field(
+        0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the demonstrated tasks that also get "
+        "a revision demonstration (a wrong attempt, the sandbox's real feedback on it, the fix), so that the model "
+        "has seen the shape of a revision before RL.")
+
+
 class RLConfig(Frozen):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator (ratchet.rl.advantages registry)."
@@ -401,6 +424,7 @@ class NightlyConfig(Frozen):
     audit: AuditConfig = Field(default_factory=AuditConfig, description="Environment quality audit.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="Multi-turn episodes: answer, feedback, revise.")
     rl: RLConfig = Field(default_factory=RLConfig, description="Advantages and losses.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Trainer backend and optimisation.")
     verify: VerifyConfig = Field(default_factory=VerifyConfig, description="Sandboxed verification.")
