@@ -442,6 +442,13 @@ class NightlyConfig(Frozen):
             raise ValueError("a run id may not contain '..'")
         return value
 
+    @model_validator(mode="after")
+    def _episodes_need_the_torch_engine(self):
+        if self.agent.turns > 1 and self.rollout.engine != "torch":
+            raise ValueError(f"agent.turns {self.agent.turns}: multi-turn episodes run on the torch engine (they extend "
+                             f"each episode's KV cache in place); rollout.engine is {self.rollout.engine!r}")
+        return self
+
 
 def deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """`override` laid over `base` at every depth: a key both hold as mappings is merged, any other

@@ -13,26 +13,35 @@ from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
-from ratchet.rollout.wave import pick_tasks, wave_frame
+from ratchet.rollout.wave import episode_frame, pick_tasks, wave_frame
 from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample
 from ratchet.verify import passed, verify_many
 
 
-def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig) -> pl.DataFrame:
+def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int, cfg: NightlyConfig,
+            executor=None) -> pl.DataFrame:
     """Sample one wave: `prompts_per_wave` tasks (by the family curriculum; an imported set's: by
     declared difficulty) x `group_size`. The tasks and the samples are a function of (weights,
     train.seed, step) alone, so a wave redone after a resume from the same checkpoint draws the same
-    completions. No tasks (an imported set that is all held out): no rows."""
+    completions. No tasks (an imported set that is all held out): no rows.
+
+    `agent.turns` of 2 or more: each sample is an episode (`ratchet.agent.run_episodes`): answer, the
+    sandbox's feedback as an observation, revise, up to `agent.turns` answers; every answer is verified
+    here, on `executor`, so the rows come back verified (scoring only rewards them)."""
     if not tasks:
         return wave_frame(run_id, step, version, [], [], cfg.rollout.group_size)
     curriculum = curriculum_for(tasks[0].family)
     specs = pick_tasks(tasks, cfg.rollout.prompts_per_wave, step, cfg.steps, curriculum, cfg.train.seed)
-    rollouts = engine.generate(
-        [s.prompt for s in specs], n=cfg.rollout.group_size, max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size,
-        seed=wave_seed(cfg.train.seed, step),
-    )
+    sampling = dict(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                    batch_size=cfg.rollout.batch_size, seed=wave_seed(cfg.train.seed, step))
+    if cfg.agent.turns > 1:
+        from ratchet.agent import run_episodes
+
+        results = run_episodes(engine, specs, cfg.rollout.group_size, cfg.agent, cfg.verify, greedy=False,
+                               executor=executor or executor_for(cfg.verify), **sampling)
+        return episode_frame(run_id, step, version, specs, results, cfg.rollout.group_size)
+    rollouts = engine.generate([s.prompt for s in specs], n=cfg.rollout.group_size, **sampling)
     return wave_frame(run_id, step, version, specs, rollouts, cfg.rollout.group_size)
 
 
@@ -45,24 +54,38 @@ def verify_frame(frame: pl.DataFrame, specs_by_id: dict[str, TaskSpec], cfg: Nig
                  executor=None) -> pl.DataFrame:
     """Fill `metrics`, `env_error`, `env_error_kind` and `feedback` (what the sandbox said: output
     tails, failed tests; `ratchet trace` shows it) by running every completion in the sandbox.
+    Rows verified already (multi-turn episodes: verified turn by turn while sampled) keep theirs.
     `executor`: where (`ratchet.scale.executor_for(cfg.verify)`, made here if None); pass one to
     read its `stats` afterwards (sandbox runs launched, reaped, orphaned; nodes)."""
-    items = [(specs_by_id[t], c) for t, c in zip(frame["task_id"], frame["completion"])]
-    results = verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries,
-                          feedback_bytes=cfg.verify.feedback_bytes, executor=executor or executor_for(cfg.verify))
-    metrics = pl.Series("metrics", [r.metrics or None for r in results], dtype=frame.schema["metrics"])
+    todo = (frame["metrics"].is_null() & ~frame["env_error"]).to_list()
+    items = [(specs_by_id[t], c) for t, c, n in zip(frame["task_id"], frame["completion"], todo) if n]
+    found = iter(verify_many(items, cfg.verify.sandbox_limits(), cfg.verify.concurrency, cfg.verify.env_error_retries,
+                             feedback_bytes=cfg.verify.feedback_bytes, executor=executor or executor_for(cfg.verify)))
+    results = [next(found) if n else None for n in todo]
+    keep = frame.select("metrics", "env_error", "env_error_kind", "feedback").rows()
+    merged = [(r.metrics or None, r.env_error, r.env_error_kind, r.feedback) if r is not None else old
+              for r, old in zip(results, keep)]
+    metrics, env_error, kind, feedback = map(list, zip(*merged)) if merged else ([], [], [], [])
     return frame.with_columns(
-        metrics,
-        pl.Series("env_error", [r.env_error for r in results], dtype=pl.Boolean),
-        pl.Series("env_error_kind", [r.env_error_kind for r in results], dtype=pl.String),
-        pl.Series("feedback", [r.feedback for r in results], dtype=FEEDBACK),
+        pl.Series("metrics", metrics, dtype=frame.schema["metrics"]),
+        pl.Series("env_error", env_error, dtype=pl.Boolean),
+        pl.Series("env_error_kind", kind, dtype=pl.String),
+        pl.Series("feedback", feedback, dtype=FEEDBACK),
     )
 
 
 def rollout_stats(frame: pl.DataFrame, wall_s: float) -> dict:
-    """How fast a wave was sampled: completion tokens per second of the rollout's wall time."""
-    tokens = int(frame["completion_tokens"].sum() or 0)
-    return {"rollout_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0, "rollout_s": wall_s}
+    """How fast a wave was sampled: sampled tokens (the model's own: a multi-turn episode's observation
+    tokens are not sampled) per second of the rollout's wall time, and how many."""
+    tokens = sampled_tokens(frame)
+    return {"rollout_tokens_per_s": tokens / wall_s if wall_s > 0 else 0.0, "rollout_s": wall_s,
+            "sampled_tokens": tokens}
+
+
+def sampled_tokens(frame: pl.DataFrame) -> int:
+    """Tokens the policy sampled in a wave: completion tokens, less observation tokens (loss_mask 0)."""
+    masked = frame["loss_mask"].list.sum().fill_null(frame["completion_tokens"].cast(pl.Int64))
+    return int(masked.sum() or 0)
 
 
 def sandbox_stats(frame: pl.DataFrame) -> dict:
@@ -103,24 +126,36 @@ def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
 def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     """A scored wave's figures, as the health monitors (`ratchet.monitor`) read them: `group_stats`,
     and reward mean/std and pass rate over the verified rows, `zero_variance_frac` (of the whole
-    groups), `env_error_rate` (of all rows), `completion_tokens_mean`, and `sampled_entropy`: the
-    sampling policy's entropy in nats per token, estimated over every completion token of the wave
-    as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward pass)."""
+    groups), `env_error_rate` (of all rows), `completion_tokens_mean` (sampled tokens per row), and
+    `sampled_entropy`: the sampling policy's entropy in nats per token, estimated over every sampled
+    token of the wave as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward
+    pass; an observation token's log-prob is 0 and is not counted). Multi-turn waves add the episode
+    figures (`ratchet.agent.episode_metrics`: pass rate after each turn, fix rate, turns per episode)."""
     stats = group_stats(frame, cfg)
     verified = frame.filter(~pl.col("env_error"))
     judged = stats["groups"] - stats["groups_env_error"]
-    logprobs = frame["behavior_logprobs"].explode().drop_nulls()
+    tokens = sampled_tokens(frame)
     stats.update(
         reward_mean=float(frame["reward"].mean() or 0.0),
         reward_std=float(verified["reward"].std() or 0.0),
         pass_rate=sum(passed(m) for m in verified["metrics"]) / verified.height if verified.height else 0.0,
         zero_variance_frac=stats["groups_zero_variance"] / judged if judged else 0.0,
         env_error_rate=float(frame["env_error"].mean() or 0.0),
-        completion_tokens_mean=float(frame["completion_tokens"].mean() or 0.0),
+        completion_tokens_mean=tokens / frame.height if frame.height else 0.0,
     )
-    if logprobs.len():
-        stats["sampled_entropy"] = -float(logprobs.mean())
+    if tokens:
+        stats["sampled_entropy"] = -float(frame["behavior_logprobs"].list.sum().sum()) / tokens
+    if cfg.agent.turns > 1:
+        from ratchet.agent import episode_metrics
+
+        stats.update(episode_metrics(turn_verdicts(verified), cfg.agent.turns))
     return stats
+
+
+def turn_verdicts(frame: pl.DataFrame) -> list[list[bool]]:
+    """Per row, whether each of its answers passed (`turns[].passed`; a single-turn row: its verdict)."""
+    return [[bool(t["passed"]) for t in turns] if turns and turns[0]["passed"] is not None else [passed(m)]
+            for turns, m in zip(frame["turns"], frame["metrics"])]
 
 
 def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:

@@ -23,7 +23,8 @@ INCUMBENT = "models/promoted/INCUMBENT"
 def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
     specs = interleave([load_specs(r) for r in heldout])[: cfg.eval.n_tasks]   # every family / source gets its share
     return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size,
-                           samples=cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.train.seed)
+                           samples=cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.train.seed,
+                           agent=cfg.agent)
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -39,8 +40,8 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     result = _eval(session.engine, heldout, cfg)
     ref = store.write_table(f"{key}.parquet", result.rows)
     out = {"version": policy.version, "eval": ref.uri, **result.summary(cfg.eval.confidence)}
-    get_run_logger().info("policy v%d held-out pass@1 %.3f (CI %s) pass@k %s", policy.version, out["pass_rate"],
-                          out["ci"], out["pass_at"])
+    get_run_logger().info("policy v%d held-out pass@1 %.3f (CI %s) pass@k %s%s", policy.version, out["pass_rate"],
+                          out["ci"], out["pass_at"], f", by turn {out['turns']}" if "turns" in out else "")
     store.put_json(f"{key}.json", out)
     return out
 

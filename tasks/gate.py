@@ -23,7 +23,9 @@ def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
     published as an artifact."""
     frame = open_store(cfg.store).read_table(wave)
     logic = load_specs(train[0])[0].reward_logic
-    report = check_wave(frame, cfg.gate, reward_bounds=reward_bounds(logic, cfg.reward),
+    low, high = reward_bounds(logic, cfg.reward)
+    low -= cfg.agent.turn_penalty * (cfg.agent.turns - 1)        # per-turn shaping can take a reward below it
+    report = check_wave(frame, cfg.gate, reward_bounds=(low, high),
                         max_tokens=cfg.model.max_seq_len, source=wave.uri)
     if not report.success:
         create_markdown_artifact(report.to_markdown(), key="gate-wave", description=f"gate failed: {wave.uri}")

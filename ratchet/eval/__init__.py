@@ -2,6 +2,7 @@
 
     result = evaluate(engine, heldout_specs, cfg.verify, samples=1)            # greedy pass@1
     result = evaluate(engine, heldout_specs, cfg.verify, samples=8, seed=0)    # 8 samples: pass@1, pass@8
+    result = evaluate(engine, heldout_specs, cfg.verify, agent=cfg.agent)      # agent.turns K: pass after each turn
     result.table("family")                     # pass@1 with its confidence interval, per family
     decision = should_promote(result.results, incumbent_results, cfg.eval)      # paired, with a CI
 
@@ -10,6 +11,12 @@ the audit's too: every hidden test, within the time limit). With k samples per t
 the mean over tasks of c/k and pass@k the unbiased estimator of Chen et al. 2021
 (`stats.pass_at_k`). A task any of whose samples hit an infrastructure error is excluded from
 every denominator (and counted in `env_errors`), never scored as a failure.
+
+Multi-turn (`agent.turns` K of 2 or more): each sample is an episode of up to K answers, the
+sandbox's feedback in between (`ratchet.agent.run_episodes`), judged by its last answer; the
+summary's `turns` adds the pass rate after each turn (after turn 1 it is the single-turn figure:
+one run gives both, so base, candidate and incumbent compare vertically in either mode) and the
+fix rate.
 
 Groupings: `family`, `difficulty` and `source` (the task's `metadata["source"]`, else its
 family: an imported task set names itself there). `report.vertical_table` lines up base ->
@@ -24,7 +31,7 @@ from typing import Sequence
 import polars as pl
 
 from envs.spec import TaskSpec
-from ratchet.config import EvalConfig, VerifyConfig
+from ratchet.config import AgentConfig, EvalConfig, VerifyConfig
 from ratchet.eval.stats import PromotionDecision, bootstrap_mean, decide, pass_at_k
 from ratchet.scale import executor_for
 from ratchet.verify import verify_many
@@ -39,8 +46,10 @@ def source_of(spec: TaskSpec) -> str:
 
 @dataclass
 class EvalResult:
-    rows: pl.DataFrame   # one row per (task, sample): task_id, family, source, difficulty, sample, completion, env_error, passed
+    rows: pl.DataFrame   # one row per (task, sample): task_id, family, source, difficulty, sample, completion, env_error,
+                         # passed (the last answer), turns_passed (whether each answer passed: one per turn taken)
     samples: int         # k, samples per task
+    turns: int = 1       # K, most answers per episode (1: single-turn)
 
     def per_task(self) -> pl.DataFrame:
         """One row per task with a verdict on every sample: n (= k) and c (samples that passed)."""
@@ -96,39 +105,61 @@ class EvalResult:
         t = self.per_task()
         lo, hi = bootstrap_mean((t["c"] / t["n"]).to_list(), confidence=confidence)[1:] if t.height else (0.0, 0.0)
         ks = sorted({k for k in (1, 2, 4, 8, 16, 32, 64, 128) if k <= self.samples} | {self.samples})
-        return {"pass_rate": self.pass_rate, "ci": [round(lo, 4), round(hi, 4)], "samples": self.samples,
+        out = {"pass_rate": self.pass_rate, "ci": [round(lo, 4), round(hi, 4)], "samples": self.samples,
                 "pass_at": {str(k): round(self.pass_at(k), 4) for k in ks},
                 "n_tasks": self.n_tasks, "env_errors": self.env_errors,
                 "by_difficulty": {int(r["difficulty"]): r["pass_at_1"] for r in self.table("difficulty", confidence)},
                 "tables": {by: self.table(by, confidence) for by in GROUPS},
                 "results": self.results}
+        if self.turns > 1:
+            from ratchet.agent import episode_metrics
+
+            judged = self.rows.filter(~pl.col("env_error"))
+            out["turns"] = episode_metrics([list(t) for t in judged["turns_passed"]], self.turns)
+        return out
 
 
 def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyConfig(), max_new_tokens: int = 48,
-             batch_size: int = 128, samples: int = 1, temperature: float = 1.0, seed: int = 0) -> EvalResult:
+             batch_size: int = 128, samples: int = 1, temperature: float = 1.0, seed: int = 0,
+             agent: AgentConfig | None = None) -> EvalResult:
     """pass@1 (and pass@k) of `engine` on `specs`, verified as training verifies (same limits,
     retries). samples=1: one greedy completion per task; samples=k: k sampled at `temperature`
-    with `seed` (candidate and incumbent get the same seed, so their samples are paired)."""
+    with `seed` (candidate and incumbent get the same seed, so their samples are paired).
+    `agent.turns` K > 1: every sample is an episode of up to K answers, judged by its last."""
     if samples < 1:
         raise ValueError(f"evaluate: samples must be >= 1, got {samples}")
     greedy = samples == 1
-    rollouts = engine.generate([s.prompt for s in specs], n=samples, max_new_tokens=max_new_tokens,
-                               greedy=greedy, temperature=temperature, batch_size=batch_size,
-                               seed=None if greedy else seed)
-    results = verify_many([(specs[r.prompt_index], r.text) for r in rollouts], verify.sandbox_limits(),
-                          verify.concurrency, verify.env_error_retries, executor=executor_for(verify))
-    owner = [specs[r.prompt_index] for r in rollouts]
+    sampling = dict(max_new_tokens=max_new_tokens, greedy=greedy, temperature=temperature, batch_size=batch_size,
+                    seed=None if greedy else seed)
+    executor = executor_for(verify)
+    if agent is not None and agent.turns > 1:
+        from ratchet.agent import run_episodes
+
+        episodes = run_episodes(engine, specs, samples, agent, verify, executor=executor, **sampling)
+        owner = [specs[e.episode.prompt_index] for e in episodes]
+        completions = [e.episode.turns[-1].action_text for e in episodes]
+        env_error = [e.env_error for e in episodes]
+        verdicts = [[v is not None and not v.env_error and v.passed for v in e.verifications] for e in episodes]
+    else:
+        rollouts = engine.generate([s.prompt for s in specs], n=samples, **sampling)
+        owner = [specs[r.prompt_index] for r in rollouts]
+        completions = [r.text for r in rollouts]
+        results = verify_many(list(zip(owner, completions)), verify.sandbox_limits(), verify.concurrency,
+                              verify.env_error_retries, executor=executor)
+        env_error = [v.env_error for v in results]
+        verdicts = [[v.passed] for v in results]
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in owner],
         "family": [s.family for s in owner],
         "source": [source_of(s) for s in owner],
         "difficulty": [s.difficulty for s in owner],
-        "sample": [i % samples for i in range(len(rollouts))],
-        "completion": [r.text for r in rollouts],
-        "env_error": [v.env_error for v in results],
-        "passed": [v.passed for v in results],
-    }, schema_overrides={"difficulty": pl.Int64, "sample": pl.Int64})
-    return EvalResult(rows=rows, samples=samples)
+        "sample": [i % samples for i in range(len(owner))],
+        "completion": completions,
+        "env_error": env_error,
+        "passed": [v[-1] for v in verdicts],
+        "turns_passed": verdicts,
+    }, schema_overrides={"difficulty": pl.Int64, "sample": pl.Int64, "turns_passed": pl.List(pl.Boolean)})
+    return EvalResult(rows=rows, samples=samples, turns=agent.turns if agent is not None else 1)
 
 
 def _samples(results: dict[str, list[bool] | bool | None]) -> dict[str, list[bool]]:

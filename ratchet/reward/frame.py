@@ -1,6 +1,11 @@
 """Rewards for a whole wave (a TRAJECTORY_SCHEMA frame).
 
     scored = score_frame(wave, {s.task_id: s.reward_logic for s in specs}, cfg.reward)
+    scored = score_frame(wave, logic, cfg.reward, turn_penalty=cfg.agent.turn_penalty)   # multi-turn episodes
+
+A multi-turn episode's reward is its final state's: the last answer's metrics, as a single-turn
+row's (`turn_penalty` > 0 subtracts that much per turn after the first: solving sooner is worth
+more). Each turn in `turns` gets the reward its own answer would have had, for reading a run.
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -26,8 +31,10 @@ def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None
     return r
 
 
-def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg: RewardConfig) -> pl.DataFrame:
-    """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns unchanged)."""
+def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg: RewardConfig,
+                turn_penalty: float = 0.0) -> pl.DataFrame:
+    """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns
+    unchanged); rows of multi-turn episodes also get each turn's reward in `turns`."""
     missing = sorted(set(frame["task_id"].unique().to_list()) - set(logic_by_task))
     if missing:
         raise KeyError(f"score_frame: no reward_logic for task(s) {missing[:10]}"
@@ -37,6 +44,18 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
             validate_logic(logic_by_task[task_id])
         except ValueError as e:
             raise type(e)(f"task {task_id!r}: {e}") from e
-    rows = frame.select("task_id", "completion", "metrics", "env_error").to_dicts()
+    rows = frame.select("task_id", "completion", "metrics", "env_error", "turns").to_dicts()
     rewards = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
-    return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
+    episodic = [r for r in rows if r["turns"] and r["turns"][0]["metrics"] is not None]
+    if not episodic:
+        return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
+    turns = []
+    for i, r in enumerate(rows):
+        for t in r["turns"] or []:
+            t["reward"] = row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
+                                     logic_by_task[r["task_id"]], cfg)
+        if rewards[i] is not None and r["turns"]:
+            rewards[i] -= turn_penalty * (len(r["turns"]) - 1)
+        turns.append(r["turns"])
+    return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
+                              pl.Series("turns", turns, dtype=frame.schema["turns"]))

@@ -1,0 +1,147 @@
+"""Benchmark: does training on multi-turn episodes teach the embedded model to use the sandbox's feedback?
+
+    python -m bench.multiturn                       # ~15-25 min on 2 CPU cores; the LAST line is one JSON object
+    python -m bench.multiturn --seeds 0 1 2 --waves 16 --prompts 32 --turns 3
+
+1. The start, shared by every run: python_functions tasks produced and audited into a temporary
+   store, and the embedded model warm-started by SFT with revision demonstrations
+   (`agent.revision_demos`: a wrong attempt, the sandbox's real feedback on it, the fix), saved as a
+   checkpoint. Both runs of a seed start from it, so they differ only in how they train.
+2. Per seed (`train.seed`: which tasks each wave draws and how it samples), two trainings for the
+   same budget of SAMPLED tokens (the model's own tokens; observation tokens are not sampled):
+   single-turn (`agent.turns` 1) for `--waves` waves, which sets the budget; then K-turn
+   (`agent.turns` K) for as many waves as it takes to sample that many tokens (its episodes sample
+   more per prompt, so it sees fewer prompts).
+3. Both final policies are evaluated on the same held-out tasks in K-turn mode, greedy: pass@1 after
+   turn 1 (the single-turn figure), after the last turn, and the fix rate (episodes that failed turn
+   1 and passed later, over those that failed turn 1).
+
+The training loop is the nightly's own stages (`tasks/*.fn`: rollout_wave, score_wave, gate_wave,
+train_epoch, evaluate), called in the flow's order without Prefect's run tracking, so that the
+multi-turn run can stop on the token budget. Last line:
+{"single_turn": {"pass_turn1", "pass_last", "fix_rate", ...}, "multi_turn": {...}, "gain_last", ...},
+each figure the mean over seeds, with the per-seed values beside it. Goal: multi_turn.pass_last beats
+single_turn.pass_last by >= 5 points, and multi_turn.fix_rate > 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str | None = None):
+    from ratchet.config import (AgentConfig, EnvsConfig, EvalConfig, GateConfig, ModelConfig, MonitorConfig,
+                                NightlyConfig, RolloutConfig, StoreConfig, TrainConfig)
+
+    return NightlyConfig(
+        run_id=run_id, steps=10_000, checkpoint_every=10_000, store=StoreConfig(uri=store),
+        envs=EnvsConfig(families=("python_functions",), n_train=args.train_tasks, n_heldout=args.eval_tasks),
+        model=ModelConfig(path=model_path, max_seq_len=args.context),
+        rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
+        agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos),
+        train=TrainConfig(seed=seed),
+        gate=GateConfig(max_zero_variance_frac=1.0),
+        monitor=MonitorConfig(max_zero_variance_frac=None),
+        eval=EvalConfig(n_tasks=args.eval_tasks, min_gain=1.0),
+    )
+
+
+def start(store: Path, args) -> tuple[list, list, str]:
+    """Produce and audit the tasks, warm-start the embedded model; (train refs, held-out refs, start dir)."""
+    from tasks.audit import audit_envs
+    from tasks.produce import produce_envs
+    from tasks.train import bootstrap_policy
+
+    cfg = config(str(store), "bench-start", args, seed=0, turns=args.turns)
+    audits = [audit_envs.fn(produce_envs.fn(f, cfg.envs, cfg.store), cfg.audit, cfg.verify, cfg.store)
+              for f in cfg.envs.families]
+    bootstrap_policy.fn("bench-start", cfg, [a.passed for a in audits])
+    return [a.passed for a in audits], [a.heldout_passed for a in audits], str(store / "runs/bench-start/checkpoints/000000")
+
+
+def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout,
+          waves: int | None = None, budget: int | None = None) -> dict:
+    """Waves of the nightly's stages until `waves` waves or `budget` sampled tokens; then the held-out
+    evaluation in K-turn mode (`--turns`), whatever the run trained with."""
+    from tasks.evaluate import evaluate
+    from tasks.gate import gate_wave
+    from tasks.rollout import rollout_wave
+    from tasks.score import score_wave
+    from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
+
+    cfg = config(str(store), run_id, args, seed, turns, model_path)
+    policy = bootstrap_policy.fn(run_id, cfg, train_refs)
+    sampled, step, t0, rewards = 0, 0, time.perf_counter(), []
+    while (waves is None or step < waves) and (budget is None or sampled < budget):
+        wave, rollout_stats = rollout_wave.fn(policy, step, train_refs, cfg)
+        scored, wave_stats = score_wave.fn(wave, train_refs, cfg)
+        policy, _ = train_epoch.fn(policy, gate_wave.fn(scored, train_refs, cfg), cfg)
+        sampled += rollout_stats["sampled_tokens"]
+        rewards.append(wave_stats["reward_mean"])
+        step += 1
+    wall = time.perf_counter() - t0
+    policy = checkpoint_policy.fn(policy, cfg)
+    final = evaluate.fn(policy, heldout, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})}))
+    by_turn = final["turns"]
+    return {"pass_turn1": by_turn["pass_after_turn"][0], "pass_last": by_turn["pass_after_turn"][-1],
+            "fix_rate": by_turn["fix_rate"], "mean_turns": by_turn["mean_turns"], "waves": step,
+            "sampled_tokens": sampled, "train_s": round(wall, 1), "reward_first": round(rewards[0], 4),
+            "reward_last": round(rewards[-1], 4)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each pair of runs")
+    p.add_argument("--waves", type=int, default=16, help="waves of the single-turn run (sets the token budget)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per wave")
+    p.add_argument("--group", type=int, default=8, help="samples (episodes) per prompt")
+    p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
+    p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
+    p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
+    p.add_argument("--context", type=int, default=384, help="model.max_seq_len of the embedded model")
+    p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated")
+    p.add_argument("--train-tasks", type=int, default=1500, help="training tasks produced (and audited)")
+    args = p.parse_args()
+
+    from prefect.logging import disable_run_logger
+    from prefect.testing.utilities import prefect_test_harness
+
+    per_seed = []
+    with tempfile.TemporaryDirectory(prefix="ratchet-bench-multiturn-") as tmp, \
+            prefect_test_harness(server_startup_timeout=180), disable_run_logger():
+        store = Path(tmp)
+        train_refs, heldout, model_path = start(store, args)
+        for seed in args.seeds:
+            single = train(store, f"single-{seed}", args, seed, 1, model_path, train_refs, heldout, waves=args.waves)
+            multi = train(store, f"multi-{seed}", args, seed, args.turns, model_path, train_refs, heldout,
+                          budget=single["sampled_tokens"])
+            per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi})
+            print(json.dumps(per_seed[-1]), flush=True)
+
+    def summary(side: str) -> dict:
+        out = {}
+        for k in ("pass_turn1", "pass_last", "fix_rate", "waves", "sampled_tokens", "train_s"):
+            values = [r[side][k] for r in per_seed]
+            out[k] = round(statistics.fmean(values), 4)
+            out[f"{k}_per_seed"] = values
+        return out
+
+    gains = [r["multi_turn"]["pass_last"] - r["single_turn"]["pass_last"] for r in per_seed]
+    print(json.dumps({"single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
+                      "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
+                      "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
+                      "turns": args.turns, "waves_single": args.waves, "prompts": args.prompts, "group": args.group,
+                      "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
+
+
+if __name__ == "__main__":
+    main()
