@@ -55,6 +55,17 @@ class EpisodeResult:
         return next((k for k, v in enumerate(self.verifications, 1) if v.passed), None)
 
 
+def turn_records(result: EpisodeResult) -> list[dict]:
+    """The episode's turns as the trajectory row's `turns` (TURN in ratchet/data/schemas.py): action,
+    observation (None on the last turn), token counts, the turn's metrics and feedback, passed,
+    env_error; `reward` None (the scoring stage fills it from the metrics)."""
+    return [{"turn": k, "action": t.text_before_stop, "observation": t.observation,
+             "action_tokens": len(t.action_ids), "observation_tokens": len(t.observation_ids),
+             "metrics": v.metrics or None, "feedback": v.feedback, "passed": v.passed, "reward": None,
+             "env_error": v.env_error}
+            for k, (t, v) in enumerate(zip(result.episode.turns, result.verifications))]
+
+
 def fit_observation(body: str, again: str, tokenizer, budget: int) -> str:
     """body + again in at most `budget` tokens (`tokenizer(text, add_special_tokens=False)`, as the
     engine encodes an observation): the feedback `body` is cut at the end (marked with CUT), the

@@ -9,7 +9,8 @@ import pytest
 from envs.episode import observation_parts
 from envs.registry import get_family
 from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
-from ratchet.agent import CUT, EpisodeResult, episode_metrics, fit_observation, render_observation, revision_demos, run_episodes
+from ratchet.agent import (CUT, EpisodeResult, episode_metrics, fit_observation, render_observation, revision_demos,
+                           run_episodes, turn_records)
 from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
 from ratchet.model import build_model, build_tokenizer
 from ratchet.rollout.episodes import Episode, Turn
@@ -72,6 +73,10 @@ def test_every_turn_is_verified_and_its_verdict_comes_back(engine, stopping):
             else:
                 assert t.observation is None
         assert r.episode.loss_mask == [m for t in turns for m in [1] * len(t.action_ids) + [0] * len(t.observation_ids)]
+        records = turn_records(r)
+        assert [(x["turn"], x["action"], x["observation"], x["passed"], x["env_error"]) for x in records] == \
+            [(k, t.text_before_stop, t.observation, v.passed, v.env_error) for k, (t, v) in enumerate(zip(turns, r.verifications))]
+        assert sum(x["action_tokens"] + x["observation_tokens"] for x in records) == len(r.episode.completion_ids)
     assert cut > 0, "some feedback was cut to the budget"
 
 
