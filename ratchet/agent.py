@@ -22,6 +22,8 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from envs.episode import observation_parts
 from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
@@ -96,6 +98,9 @@ def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, 
                  max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, seed: int | None = None,
                  batch_size: int = 128, executor=None) -> list[EpisodeResult]:
     """len(specs) * n episodes grouped by task (as `engine.generate`), each with its per-turn verdicts."""
+    if not isinstance(getattr(engine, "model", None), torch.nn.Module):
+        raise TypeError(f"run_episodes: multi-turn episodes need the in-process torch engine (rollout.engine: torch), "
+                        f"not {type(engine).__name__}")
     specs = list(specs)
     executor = executor if executor is not None else executor_for(verify)
     verdicts: dict[int, list[Verification]] = {}

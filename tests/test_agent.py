@@ -110,6 +110,12 @@ def test_without_stop_on_pass_a_passing_episode_goes_on(engine, stopping):
     assert any(r.verifications[0].passed and len(r.episode.turns) > 1 for r in going)
 
 
+def test_a_server_engine_is_refused_by_name():
+    from ratchet.rollout.client import HTTPEngine
+    with pytest.raises(TypeError, match="in-process torch engine.*not HTTPEngine"):
+        run_episodes(HTTPEngine("http://127.0.0.1:9"), SPECS, 1, AgentConfig(turns=2), VERIFY, max_new_tokens=4)
+
+
 def test_observation_cut_keeps_the_reprompt_whole(engine):
     tok = engine.tokenizer
     n = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])   # noqa: E731
