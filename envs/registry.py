@@ -29,6 +29,12 @@ class Family:
     """Completions that must fail every task of the family (audit)."""
     curriculum: Callable[[int, int, int], list[float]] | None = None
     """curriculum(step, total_steps, max_difficulty) -> sampling weight per difficulty 1..max."""
+    observe: Callable[[TaskSpec, dict | None, dict | None], str] | None = None
+    """observe(spec, feedback, metrics) -> the feedback part of an episode's observation (what the
+    sandbox said about an answer); None: `envs.episode.feedback_text`. The re-prompt is appended after it."""
+    reprompt: Callable[[TaskSpec], str] | None = None
+    """reprompt(spec) -> the text that ends an observation, so that the next answer has the shape of the
+    first; None: `envs.episode.default_reprompt`."""
 
 
 FAMILIES: dict[str, Family] = {}

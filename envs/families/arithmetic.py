@@ -109,4 +109,23 @@ def curriculum(step: int, total: int, max_difficulty: int) -> list[float]:
     return [1.0 / (1.0 + abs(d - centre)) for d in range(1, max_difficulty + 1)]
 
 
-register_family("arithmetic", config=Config, generate=generate, trivial_answers=trivial_answers, curriculum=curriculum)
+def observe(spec: TaskSpec, feedback: dict | None, metrics: dict | None) -> str:
+    """Wrong, or not a bare integer; never the expected value (the one test's expected value is the answer)."""
+    if feedback is None:
+        return "Empty answer."
+    details = [t.get("detail") or "" for t in feedback.get("failed_tests") or []]
+    if not details:
+        return "Timed out." if feedback.get("timed_out") else "Failed."
+    got = re.search(r", got (.*)$", details[0], re.S)
+    if got is None or got.group(1).startswith(("null", "no result")):
+        return "Not a bare integer."
+    shown = got.group(1)
+    return f"Wrong: {json.loads(shown) if shown.startswith(chr(34)) else shown} is not the answer."
+
+
+def reprompt(spec: TaskSpec) -> str:
+    return "Answer with the integer only.\n"
+
+
+register_family("arithmetic", config=Config, generate=generate, trivial_answers=trivial_answers, curriculum=curriculum,
+                observe=observe, reprompt=reprompt)

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from envs.episode import feedback_text
 from envs.mutation import python_mutants
 from envs.registry import register_family
 from envs.spec import COMPLETION, EnvironmentConfig, OverwriteFile, RunCommand, TaskSpec
@@ -163,4 +165,26 @@ def curriculum(step: int, total: int, max_difficulty: int) -> list[float]:
     return [max(0.05, 1.0 - abs((d - 1) / max(max_difficulty - 1, 1) - t)) for d in range(1, max_difficulty + 1)]
 
 
-register_family("bugfix", config=Config, generate=generate, trivial_answers=trivial_answers, curriculum=curriculum)
+def observe(spec: TaskSpec, feedback: dict | None, metrics: dict | None) -> str:
+    """The default feedback, each failed test shown as its hidden assertion and what pytest said:
+    `- assert clamp(3, -2, 4) == 3 (assert 4 == 3)`."""
+    source = next(iter(spec.test_files.values()), "")
+
+    def describe(t: dict) -> str:
+        name = (t.get("name") or "").rsplit("::", 1)[-1]
+        kind, _, detail = (t.get("detail") or "").partition(": ")
+        if kind not in ("FAILED", "ERROR"):
+            kind, detail = "FAILED", t.get("detail") or ""
+        m = re.search(rf"^def {re.escape(name)}\(\):\n\s+(assert .*)$", source, re.M) if name else None
+        if m is None:
+            return f"{name}: {detail or kind.lower()}"
+        return m.group(1) + (f" ({detail})" if detail else "")
+    return feedback_text(spec, feedback, metrics, describe)
+
+
+def reprompt(spec: TaskSpec) -> str:
+    return f"Reply with the full corrected content of {spec.metadata['target']} (code only).\n"
+
+
+register_family("bugfix", config=Config, generate=generate, trivial_answers=trivial_answers, curriculum=curriculum,
+                observe=observe, reprompt=reprompt)

@@ -1,0 +1,192 @@
+"""Multi-turn episodes for a wave or an evaluation: answer, read the sandbox's verdict, revise.
+
+    results = run_episodes(engine, specs, n=4, agent=cfg.agent, verify=cfg.verify,
+                           max_new_tokens=64, temperature=1.0, greedy=False, seed=0, batch_size=128)
+    results[0].episode.turns, results[0].verifications, results[0].final.passed
+    episode_metrics(results, cfg.agent.turns)   # pass rate after turn k, fix rate, turns and tokens
+    demos = revision_demos(specs, 0.3, cfg.verify, seed=0)   # (prompt, [(wrong, False), (obs, False), (fix, True)])
+
+`run_episodes` samples with `generate_episodes` (ratchet/rollout/episodes.py: every live episode
+of a batch decodes together, the KV cache is reused across turns) and answers each turn with
+`respond`: every live answer of the turn is verified in ONE `verify_many` batch (the one judge,
+env_error retries as in a single-turn wave), the Verification recorded, and the episode either
+ends (it passed, with `agent.stop_on_pass`; or an env_error: nothing the model did) or gets the
+observation of its verdict (`envs/episode.py`), cut to `agent.observation_tokens` tokens of the
+engine's tokenizer: the feedback is cut, the family's re-prompt kept whole. The budget counts the
+observation's own text; with a chat template the template's turn markers come on top of it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from envs.episode import observation_parts
+from envs.spec import TaskSpec
+from ratchet.audit import task_mutants
+from ratchet.config import AgentConfig, VerifyConfig
+from ratchet.rollout.episodes import Episode, Turn, generate_episodes
+from ratchet.scale import executor_for
+from ratchet.verify import Verification, verify_many
+
+CUT = "...\n"
+"""Marks where an observation's feedback was cut to the token budget."""
+
+
+@dataclass
+class EpisodeResult:
+    episode: Episode
+    verifications: list[Verification]   # one per turn: the verdict on that turn's answer
+
+    @property
+    def final(self) -> Verification:
+        """The verdict on the last answer: the episode's final state (what the reward is taken from)."""
+        return self.verifications[-1]
+
+    @property
+    def env_error(self) -> bool:
+        """An infrastructure failure ended the episode (its last verdict): excluded, as a wave's env_error rows."""
+        return self.final.env_error
+
+    @property
+    def passed_at(self) -> int | None:
+        """The first turn (1-based) whose answer passed; None if none did."""
+        return next((k for k, v in enumerate(self.verifications, 1) if v.passed), None)
+
+
+def turn_records(result: EpisodeResult) -> list[dict]:
+    """The episode's turns as the trajectory row's `turns` (TURN in ratchet/data/schemas.py): action,
+    observation (None on the last turn), token counts, the turn's metrics and feedback, passed,
+    env_error; `reward` None (the scoring stage fills it from the metrics)."""
+    return [{"turn": k, "action": t.text_before_stop, "observation": t.observation,
+             "action_tokens": len(t.action_ids), "observation_tokens": len(t.observation_ids),
+             "metrics": v.metrics or None, "feedback": v.feedback, "passed": v.passed, "reward": None,
+             "env_error": v.env_error}
+            for k, (t, v) in enumerate(zip(result.episode.turns, result.verifications))]
+
+
+def fit_observation(body: str, again: str, tokenizer, budget: int) -> str:
+    """body + again in at most `budget` tokens (`tokenizer(text, add_special_tokens=False)`, as the
+    engine encodes an observation): the feedback `body` is cut at the end (marked with CUT), the
+    re-prompt `again` kept whole, even when it alone is over the budget."""
+    def fits(text: str) -> bool:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= budget
+
+    if fits(body + again):
+        return body + again
+    lo, hi = 0, len(body) - 1                  # longest prefix of body that fits with the marker
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(body[:mid] + CUT + again) else (lo, mid - 1)
+    if lo == 0 or not fits(body[:lo] + CUT + again):
+        return again
+    word = max(body.rfind(" ", 0, lo), body.rfind("\n", 0, lo)) + 1     # end at a word, when one ends close by
+    keep = body[:word] if lo - word <= 12 and word > 0 and fits(body[:word] + CUT + again) else body[:lo]
+    return keep + CUT + again
+
+
+def render_observation(spec: TaskSpec, v: Verification, tokenizer=None, budget: int | None = None) -> str:
+    """The observation after an answer with verdict `v`, cut to `budget` tokens when both are given."""
+    body, again = observation_parts(spec, v.feedback, v.metrics or None)
+    return body + again if tokenizer is None or budget is None else fit_observation(body, again, tokenizer, budget)
+
+
+def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, verify: VerifyConfig, *,
+                 max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, seed: int | None = None,
+                 batch_size: int = 128, executor=None) -> list[EpisodeResult]:
+    """len(specs) * n episodes grouped by task (as `engine.generate`), each with its per-turn verdicts."""
+    if not isinstance(getattr(engine, "model", None), torch.nn.Module):
+        raise TypeError(f"run_episodes: multi-turn episodes need the in-process torch engine (rollout.engine: torch), "
+                        f"not {type(engine).__name__}")
+    specs = list(specs)
+    executor = executor if executor is not None else executor_for(verify)
+    verdicts: dict[int, list[Verification]] = {}
+
+    def respond(turn: int, live: list[tuple[int, Turn]]) -> list[str | None]:
+        items = [(specs[i // n], t.text_before_stop) for i, t in live]
+        results = verify_many(items, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
+                              feedback_bytes=verify.feedback_bytes, executor=executor)
+        out: list[str | None] = []
+        for (i, _), (spec, _), v in zip(live, items, results):
+            verdicts.setdefault(i, []).append(v)
+            if v.env_error or (v.passed and agent.stop_on_pass):
+                out.append(None)
+            else:
+                out.append(render_observation(spec, v, engine.tokenizer, agent.observation_tokens))
+        return out
+
+    episodes = generate_episodes(engine, [s.prompt for s in specs], n, respond, max_turns=agent.turns,
+                                 max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+                                 seed=seed, batch_size=batch_size)
+    results = []
+    for i, ep in enumerate(episodes):
+        got = verdicts.get(i, [])
+        if len(got) != len(ep.turns):
+            raise RuntimeError(f"episode {i}: {len(ep.turns)} turns but {len(got)} verdicts: generate_episodes "
+                               f"must call respond after every turn")
+        results.append(EpisodeResult(ep, got))
+    return results
+
+
+def episode_metrics(results: Sequence[EpisodeResult], max_turns: int) -> dict:
+    """Figures of a set of episodes, env_error episodes left out (counted in `env_errors`):
+    `pass_after_turn[k-1]`: the share passed by turn k, k = 1..max_turns (passed at turn j counts
+    for every k >= j; an episode that ended sooner keeps its state); `pass_turn1`, `pass_last`;
+    `fix_rate`: of the episodes that failed turn 1 (`failed_turn1`), the share that passed later
+    (None when none failed); `mean_turns`, `mean_action_tokens` (sampled), `mean_observation_tokens`;
+    `ends`: episodes per end reason. Rates are None when no episode counts."""
+    ok = [r for r in results if not r.env_error]
+    if max_turns < 1:
+        raise ValueError(f"episode_metrics: max_turns must be at least 1, got {max_turns}")
+    if any(len(r.episode.turns) > max_turns for r in ok):
+        raise ValueError(f"episode_metrics: an episode has more than max_turns={max_turns} turns")
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    after = [mean([float(r.passed_at is not None and r.passed_at <= k) for r in ok]) for k in range(1, max_turns + 1)]
+    failed1 = [r for r in ok if r.passed_at != 1]
+    ends: dict[str, int] = {}
+    for r in ok:
+        ends[r.episode.end] = ends.get(r.episode.end, 0) + 1
+    return {
+        "episodes": len(ok), "env_errors": len(results) - len(ok),
+        "pass_after_turn": after, "pass_turn1": after[0], "pass_last": after[-1],
+        "fix_rate": mean([float(r.passed_at is not None) for r in failed1]), "failed_turn1": len(failed1),
+        "mean_turns": mean([len(r.episode.turns) for r in ok]),
+        "mean_action_tokens": mean([sum(len(t.action_ids) for t in r.episode.turns) for r in ok]),
+        "mean_observation_tokens": mean([sum(len(t.observation_ids) for t in r.episode.turns) for r in ok]),
+        "ends": ends,
+    }
+
+
+def revision_demos(specs: Sequence[TaskSpec], fraction: float, verify: VerifyConfig, seed: int, *,
+                   tokenizer=None, observation_tokens: int | None = None, max_mutants: int = 4,
+                   executor=None) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """Revision demonstrations for the warm start: for `fraction` of the specs that have a reference
+    (drawn with `seed`), (prompt, [(wrong, False), (observation, False), (reference, True)]): `wrong` a
+    mutant of the reference (`envs/mutation.py`, as the audit makes them) that the sandbox really
+    fails, the observation rendered from that run's real feedback (cut to `observation_tokens` of
+    `tokenizer` when both are given, as an episode's), and the reference as the fix. The wrong attempt
+    is context, never a target. A task none of whose first `max_mutants` mutants fails (or whose runs
+    are env_errors) gives no demo, so there may be fewer than asked."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"revision_demos: fraction must be in [0, 1], got {fraction}")
+    with_ref = [s for s in specs if s.reference_solution is not None]
+    k = round(fraction * len(with_ref))
+    chosen = [with_ref[i] for i in sorted(random.Random(f"revision_demos:{seed}").sample(range(len(with_ref)), k))]
+    candidates = [(s, m) for s in chosen for m in task_mutants(s, max_mutants) if m.strip()]
+    results = verify_many(candidates, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
+                          feedback_bytes=verify.feedback_bytes,
+                          executor=executor if executor is not None else executor_for(verify))
+    demos, done = [], set()
+    for (spec, wrong), v in zip(candidates, results):
+        if spec.task_id in done or v.env_error or v.passed:
+            continue
+        done.add(spec.task_id)
+        obs = render_observation(spec, v, tokenizer, observation_tokens)
+        demos.append((spec.prompt, [(wrong, False), (obs, False), (spec.reference_solution, True)]))
+    return demos

@@ -1,0 +1,313 @@
+"""Multi-turn episodes on the embedded engine: the model answers, an observation comes back, the
+model revises, up to K turns, with the KV cache of the conversation reused from turn to turn.
+
+    def respond(turn, live):                    # live: [(episode_index, Turn), ...] of this turn's answers
+        return [feedback(i, t.text_before_stop) for i, t in live]     # per episode: text to append, or None (done)
+
+    episodes = generate_episodes(engine, prompts, n=4, respond=respond, max_turns=3, max_new_tokens=64, seed=0)
+    ep.completion_ids, ep.logprobs, ep.loss_mask   # a1 o1 a2 o2 a3; observations: log-prob 0.0, mask 0
+    prefill_figure(episodes)                       # prefill tokens per episode: KV reuse against recomputing
+
+How a batch (up to `batch_size` episodes, grouped by prompt) runs (`_Conversations`):
+- each distinct prompt is left-padded and prefilled ONCE; its KV cache rows are copied to its n
+  episodes (as TorchEngine.generate does);
+- a turn decodes all live episodes together, one token per step; a row whose answer has ended
+  (EOS, a stop string) sits the remaining steps of the turn out: its column gets attention 0, so it
+  changes nothing (positions count only real tokens);
+- then `respond` gives each episode its observation; an episode that ends leaves the batch, and
+  the others append [the answer's last token, which no decode step forwarded] + the observation's
+  tokens in ONE left-padded forward over the existing cache: the conversation is never re-prefilled.
+The model's own forward with its DynamicCache does every step, so any causal LM works (the fused
+Llama decode of ratchet/rollout/decoders.py serves single-turn `generate` only).
+
+Observation tokens: `tokenizer(obs, add_special_tokens=False)`; with `engine.chat_template` the
+observation is a user turn of the model's chat template (`observation_ids`). Log-probs, greedy,
+seed and stop strings follow ratchet/rollout/engine.py, per turn: a 1-turn episode is what
+`generate` samples. tests/rollout/test_episodes.py checks every step's logits against a
+from-scratch forward of the whole conversation.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ratchet.rollout.engine import first_stop
+from ratchet.rollout.torch_engine import TorchEngine, _StopScanner, sample
+
+__all__ = ["Episode", "Turn", "generate_episodes", "observation_ids", "prefill_figure"]
+
+ENDS = ("done", "turns", "context")
+
+
+@dataclass
+class Turn:
+    action_ids: list[int]        # sampled tokens of this answer (EOS / stop tokens included, as Rollout)
+    action_logprobs: list[float] # behaviour log-probs, one per action token (as Rollout.logprobs)
+    action_text: str             # decode(action_ids) without EOS (as Rollout.text)
+    finished: bool               # ended by EOS / a stop string (not the max_new_tokens cap)
+    stop: str | None
+    observation: str | None = None                              # text appended after this answer (None: none was)
+    observation_ids: list[int] = field(default_factory=list)    # its tokens, as the model saw them
+
+    @property
+    def text_before_stop(self) -> str:
+        """The answer cut where its stop string starts (what a verifier gets); all of it without one."""
+        cut = -1 if self.stop is None else self.action_text.find(self.stop)
+        return self.action_text if cut < 0 else self.action_text[:cut]
+
+
+@dataclass
+class Episode:
+    prompt_index: int
+    prompt_ids: list[int]
+    turns: list[Turn]
+    end: str                     # "done" (respond returned None), "turns" (turn limit), "context" (no room left)
+    prefill_tokens: float        # tokens forwarded outside one-token decode steps: prompt / its sharers in the
+                                 # batch, + per appended observation its tokens and the answer's last token
+    recompute_tokens: float      # the same if every turn after the first re-prefilled the whole conversation
+
+    @property
+    def completion_ids(self) -> list[int]:
+        """a1 + o1 + a2 + o2 + ... + aK: everything after the prompt, observations included."""
+        return [t for turn in self.turns for t in turn.action_ids + turn.observation_ids]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """One per completion token: the behaviour log-prob on action tokens, 0.0 on observation tokens."""
+        return [x for turn in self.turns for x in turn.action_logprobs + [0.0] * len(turn.observation_ids)]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """One per completion token: 1 on the model's own (action) tokens, 0 on observation tokens."""
+        return [m for turn in self.turns for m in [1] * len(turn.action_ids) + [0] * len(turn.observation_ids)]
+
+
+class _Conversations:
+    """The KV cache of a batch of growing conversations, one row each: the left-padded prompts, one
+    column per decode step (attention 0 where the row sat the step out), left-padded appended chunks.
+    `logits` [b, V]: each row's next-token logits (float32); `length` [b]: its real tokens so far."""
+
+    def __init__(self, model, prompts: list[list[int]], owner: torch.Tensor, pad: int):
+        device = next(model.parameters()).device
+        U, P = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((U, P), pad, dtype=torch.long)
+        attn = torch.zeros((U, P), dtype=torch.long)
+        for u, p in enumerate(prompts):
+            ids[u, P - len(p):] = torch.tensor(p)
+            attn[u, P - len(p):] = 1
+        ids, attn, owner = ids.to(device), attn.to(device), owner.to(device)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                    use_cache=True, logits_to_keep=1)
+        out.cache.batch_select_indices(owner)                                     # [U, ...] -> [b, ...]
+        self.model, self.pad, self.cache, self.attn = model, pad, out.cache, attn[owner]  # attn: [b, L]
+        self.length = attn.sum(-1)[owner]                                         # [b]
+        self.logits = out.logits[:, -1].float()[owner]                            # [b, V]
+
+    def step(self, tok: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """Forward one token per row (tok [b]); rows where `active` [b] is False sit it out."""
+        self.attn = torch.cat([self.attn, active[:, None].long()], dim=1)         # [b, L+1]
+        out = self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.length[:, None],
+                         cache=self.cache, use_cache=True)
+        self.cache, self.logits = out.cache, out.logits[:, -1].float()            # [b, V]
+        self.length = self.length + active.long()
+        return self.logits
+
+    def extend(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Append each row's tokens (at least one) in one left-padded forward over the cache."""
+        W, device = max(len(c) for c in chunks), self.attn.device
+        ids = torch.full((len(chunks), W), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(chunks), W), dtype=torch.long)
+        for r, c in enumerate(chunks):
+            ids[r, W - len(c):] = torch.tensor(c)
+            mask[r, W - len(c):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = self.length[:, None] + (mask.cumsum(-1) - 1).clamp(min=0)          # [b, W]
+        self.attn = torch.cat([self.attn, mask], dim=1)                          # [b, L+W]
+        out = self.model(input_ids=ids, attention_mask=self.attn, position_ids=pos, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.cache, self.logits = out.cache, out.logits[:, -1].float()            # [b, V]
+        self.length = self.length + mask.sum(-1)
+        return self.logits
+
+    def keep(self, idx: torch.Tensor) -> None:
+        """Rows idx (ascending) stay; the others leave the batch and the cache."""
+        idx = idx.to(self.attn.device)
+        self.cache.batch_select_indices(idx)
+        self.attn, self.length, self.logits = self.attn[idx], self.length[idx], self.logits[idx]
+
+
+_ANSWER = "\ue000answer\ue000"   # a private-use sentinel standing for the answer in a rendered template
+
+
+def observation_ids(engine: TorchEngine, prompt: str, turn: Turn, observation: str) -> list[int]:
+    """The tokens that append `observation` after `turn`'s answer, as the model sees them.
+
+    Plain: `tokenizer(observation, add_special_tokens=False)`. With `engine.chat_template`: the
+    template's close of the assistant turn (less the EOS the model already emitted, when the close
+    starts with it), then what rendering the conversation with the new user message and the
+    generation prompt adds to rendering it without."""
+    tok = engine.tokenizer
+    if not engine.chat_template:
+        return list(tok(observation, add_special_tokens=False)["input_ids"])
+    before = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _ANSWER}]
+    without = tok.apply_chat_template(before, tokenize=False)
+    with_user = tok.apply_chat_template(before + [{"role": "user", "content": observation}], tokenize=False,
+                                        add_generation_prompt=True)
+    if _ANSWER not in without or not with_user.startswith(without):
+        raise ValueError("chat template: rendering the conversation with a new user message does not extend its "
+                         "rendering without it, so an observation cannot be appended over the KV cache")
+    close = without[without.rindex(_ANSWER) + len(_ANSWER):]                      # e.g. "<|im_end|>\n"
+    if turn.action_ids and turn.action_ids[-1] in engine.eos_ids:
+        emitted = tok.decode(turn.action_ids[-1:], skip_special_tokens=False)
+        close = close[len(emitted):] if emitted and close.startswith(emitted) else close
+    return list(tok(close + with_user[len(without):], add_special_tokens=False)["input_ids"])
+
+
+Respond = Callable[[int, list[tuple[int, Turn]]], Sequence[str | None]]
+
+
+@torch.no_grad()
+def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: Respond, max_turns: int,
+                      max_new_tokens: int = 48, temperature: float = 1.0, greedy: bool = False,
+                      seed: int | None = None, stop: Sequence[str] | None = None, batch_size: int = 128,
+                      ) -> list[Episode]:
+    """len(prompts) * n episodes grouped by prompt (like generate). At each turn every live episode
+    samples an answer; then respond(turn, [(episode_index, Turn), ...] for the live ones), turn 0-based,
+    returns per episode the observation to append (None: the episode ends, end="done"). respond is
+    called after every turn, the last included, once per batch of up to batch_size episodes; after
+    max_turns answers an episode ends with end="turns" whatever it returned. An episode whose next turn
+    would not fit in the model's context (prompt + completion + observation + max_new_tokens > context,
+    when the engine checks its context) ends with end="context", that observation not appended."""
+    for name, value in (("n", n), ("max_turns", max_turns), ("max_new_tokens", max_new_tokens),
+                        ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"generate_episodes: {name} must be at least 1, got {value}")
+    if stop is not None and any(not s for s in stop):
+        raise ValueError("stop: every stop string must be non-empty")
+    encoded = engine.encode_prompts(prompts)
+    context = getattr(engine, "context", None)
+    if context is not None:
+        too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"prompt {i}: {len(encoded[i])} tokens + max_new_tokens {max_new_tokens} exceed the "
+                             f"model's context of {context} tokens ({len(too_long)} prompt(s) too long)")
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy, stop=list(stop or []),
+                    gen=torch.Generator().manual_seed(seed) if seed is not None else None)
+    jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
+    episodes: list[Episode] = []
+    was_training = engine.model.training
+    engine.model.eval()
+    try:
+        for start in range(0, len(jobs), batch_size):
+            episodes += _batch(engine, prompts, jobs[start:start + batch_size], start, respond, max_turns, context,
+                               sampling)
+    finally:
+        engine.model.train(was_training)
+    return episodes
+
+
+def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling) -> list[Episode]:
+    """The episodes of jobs[(prompt index, prompt ids)] (grouped by prompt); `first`: the first's index."""
+    sharers = Counter(i for i, _ in jobs)
+    owner = torch.unique_consecutive(torch.tensor([i for i, _ in jobs]), return_inverse=True)[1]
+    distinct = [ids for b, (i, ids) in enumerate(jobs) if b == 0 or jobs[b - 1][0] != i]
+    conv = _Conversations(engine.model, distinct, owner, engine.pad)
+    turns: list[list[Turn]] = [[] for _ in jobs]
+    end: list[str] = ["turns"] * len(jobs)
+    prefill = [len(ids) / sharers[i] for i, ids in jobs]        # the prompt's prefill, shared by its rows
+    recompute = list(prefill)
+    rows = list(range(len(jobs)))                               # conversation row -> job
+    for k in range(max_turns):
+        answers = _decode_turn(engine, conv, **sampling)
+        for b, turn in zip(rows, answers):
+            turns[b].append(turn)
+        replies = _replies(respond, k, [(first + b, turn) for b, turn in zip(rows, answers)])
+        stay, chunks = [], []
+        for r, (b, turn, obs) in enumerate(zip(rows, answers, replies)):
+            if k == max_turns - 1 or obs is None:
+                end[b] = "turns" if k == max_turns - 1 else "done"
+                continue
+            i, prompt_ids = jobs[b]
+            ids = observation_ids(engine, prompts[i], turn, obs)
+            so_far = len(prompt_ids) + sum(len(t.action_ids) + len(t.observation_ids) for t in turns[b])
+            if context is not None and so_far + len(ids) + sampling["max_new_tokens"] > context:
+                end[b] = "context"
+                continue
+            turn.observation, turn.observation_ids = obs, ids
+            stay.append(r)
+            chunks.append(turn.action_ids[-1:] + ids)          # the answer's last token: no decode step took it
+            prefill[b] += len(chunks[-1])
+            recompute[b] += so_far + len(ids)                  # the next turn re-prefilling the conversation
+        if not stay:
+            break
+        conv.keep(torch.tensor(stay))
+        rows = [rows[r] for r in stay]
+        conv.extend(chunks)
+    return [Episode(i, ids, turns[b], end[b], prefill[b], recompute[b]) for b, (i, ids) in enumerate(jobs)]
+
+
+def _replies(respond: Respond, k: int, live: list[tuple[int, Turn]]) -> list[str | None]:
+    replies = respond(k, live)
+    if replies is None or isinstance(replies, str) or len(replies) != len(live):
+        got = "None" if replies is None else f"{type(replies).__name__} of length {len(replies)}"
+        raise ValueError(f"respond(turn {k}): must return one observation (str or None) per live episode, "
+                         f"{len(live)} here; got {got}")
+    bad = [(i, type(o).__name__) for (i, _), o in zip(live, replies) if o is not None and not isinstance(o, str)]
+    if bad:
+        raise TypeError(f"respond(turn {k}): episode {bad[0][0]}'s observation is a {bad[0][1]}, not str or None")
+    return list(replies)
+
+
+def _decode_turn(engine, conv: _Conversations, max_new_tokens, temperature, greedy, gen, stop) -> list[Turn]:
+    """One answer per conversation row, decoded together; rows whose answer ended sit the rest out."""
+    B, device = len(conv.length), conv.length.device
+    eos, eos_t = set(engine.eos_ids), torch.tensor(engine.eos_ids, device=device)
+    active = torch.ones(B, dtype=torch.bool, device=device)                      # [B] answer still going
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
+    scanner = _StopScanner(engine.tokenizer, stop, B) if stop else None
+    logits = conv.logits                                                          # [B, V]
+    for t in range(max_new_tokens):
+        idx = active.nonzero().squeeze(1)                                         # [b] live rows, ascending
+        logprobs = torch.log_softmax(logits[idx] / (1.0 if greedy else temperature), dim=-1)  # [b, V]
+        tok = logprobs.argmax(-1) if greedy else sample(logprobs.exp().cpu(), gen).to(device)  # [b]
+        chosen = logprobs.gather(1, tok[:, None]).squeeze(1)                     # [b]
+        for b, x, lp in zip(idx.tolist(), tok.tolist(), chosen.tolist()):
+            tokens[b].append(x)
+            logps[b].append(lp)
+        done = torch.isin(tok, eos_t)                                             # [b]
+        if scanner is not None:
+            done |= torch.tensor(scanner.step(idx.tolist(), tok.tolist(), eos), dtype=torch.bool, device=device)
+        active[idx[done]] = False
+        if t == max_new_tokens - 1 or not bool(active.any()):
+            break
+        step = torch.full((B,), engine.pad, dtype=torch.long, device=device)     # [B] sat-out rows: pad, masked
+        step[idx] = tok
+        logits = conv.step(step, active)
+    answers = []
+    for b in range(B):
+        ids = tokens[b]
+        ended = ids[-1] in eos
+        text = engine.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
+        hit = scanner.hit.get(b) if scanner is not None else None
+        if hit is not None:   # the full text's earliest stop, as generate
+            hit = (first_stop(text, stop) or (0, hit))[1]
+        answers.append(Turn(ids, logps[b], text, ended or hit is not None, hit))
+    return answers
+
+
+def prefill_figure(episodes: Sequence[Episode]) -> dict:
+    """Mean prefill tokens per episode with KV reuse and with recomputing the conversation every turn,
+    and their ratio (reuse / recompute: below 1 is the saving)."""
+    if not episodes:
+        raise ValueError("prefill_figure: no episodes")
+    reuse = sum(e.prefill_tokens for e in episodes) / len(episodes)
+    recompute = sum(e.recompute_tokens for e in episodes) / len(episodes)
+    return {"episodes": len(episodes), "mean_turns": sum(len(e.turns) for e in episodes) / len(episodes),
+            "prefill_tokens_reuse": reuse, "prefill_tokens_recompute": recompute,
+            "reuse_over_recompute": reuse / recompute}

@@ -1,0 +1,188 @@
+"""Multi-turn episodes (ratchet/agent.py) with a real TorchEngine on a tiny model and real sandbox
+runs: every turn is verified, its verdict comes back as the observation within the token budget,
+episodes end as the settings say; the metrics by hand; revision demos really fail, then pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from envs.episode import observation_parts
+from envs.registry import get_family
+from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
+from ratchet.agent import (CUT, EpisodeResult, episode_metrics, fit_observation, render_observation, revision_demos,
+                           run_episodes, turn_records)
+from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
+from ratchet.model import build_model, build_tokenizer
+from ratchet.rollout.episodes import Episode, Turn
+from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.verify import Verification, verify_many
+
+VERIFY = VerifyConfig(timeout_s=5.0, concurrency=2)
+BUDGET = 40
+CORPUS = ["# add 3\ndef f(x):\n    x = x + 3\n    return x\n", "Tests: 0 of 10 passed.\n- f(3): expected 6, got 5\n",
+          "Revise your answer.\ndef f(x):\n", "apple banana cherry\n"] * 20
+
+
+def _command_task(task_id: str, command: str, prompt: str) -> TaskSpec:
+    """The answer is written to answer.txt; `command` judges it (exit 0: passed)."""
+    return TaskSpec(task_id=task_id, family="imported", prompt=prompt,
+                    execution_steps=(OverwriteFile(path="/app/answer.txt", content=COMPLETION), RunCommand(command=command)))
+
+
+PF = get_family("python_functions")
+SPECS = [
+    _command_task("has-e", "grep -q e answer.txt", "Write a word with the letter e.\n"),   # some answers pass
+    PF.generate(PF.config(), 0, 0, 1, "train"),                                            # none does
+    _command_task("env-err", "no_such_program_here answer.txt", "Anything.\n"),             # an env_error
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tok = build_tokenizer(CORPUS, 256)
+    model = build_model(ModelConfig(hidden_size=32, num_layers=2, num_heads=2, max_seq_len=256), tok).eval()
+    return TorchEngine(model, tok, check_context=True)
+
+
+def _episodes(engine, **agent):
+    return run_episodes(engine, SPECS, 4, AgentConfig(turns=3, observation_tokens=BUDGET, **agent), VERIFY,
+                        max_new_tokens=6, temperature=1.0, seed=3, batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def stopping(engine):
+    return _episodes(engine)
+
+
+def test_every_turn_is_verified_and_its_verdict_comes_back(engine, stopping):
+    tok = engine.tokenizer
+    assert [r.episode.prompt_index for r in stopping] == [i for i in range(3) for _ in range(4)]
+    items = [(SPECS[r.episode.prompt_index], t.text_before_stop) for r in stopping for t in r.episode.turns]
+    again = iter(verify_many(items, VERIFY.sandbox_limits(), 2))           # every verdict reproduces
+    cut = 0
+    for r in stopping:
+        spec, turns = SPECS[r.episode.prompt_index], r.episode.turns
+        assert len(r.verifications) == len(turns) and r.final is r.verifications[-1]
+        for k, (t, v) in enumerate(zip(turns, r.verifications)):
+            assert (v.passed, v.env_error) == (lambda w: (w.passed, w.env_error))(next(again))
+            if k < len(turns) - 1:       # the observation is the rendered verdict, within the budget
+                assert t.observation == render_observation(spec, v, tok, BUDGET)
+                assert t.observation_ids == tok(t.observation, add_special_tokens=False)["input_ids"]
+                assert len(t.observation_ids) <= BUDGET
+                cut += t.observation.endswith(CUT + observation_parts(spec, v.feedback, v.metrics)[1])
+            else:
+                assert t.observation is None
+        assert r.episode.loss_mask == [m for t in turns for m in [1] * len(t.action_ids) + [0] * len(t.observation_ids)]
+        records = turn_records(r)
+        assert [(x["turn"], x["action"], x["observation"], x["passed"], x["env_error"]) for x in records] == \
+            [(k, t.text_before_stop, t.observation, v.passed, v.env_error) for k, (t, v) in enumerate(zip(turns, r.verifications))]
+        assert sum(x["action_tokens"] + x["observation_tokens"] for x in records) == len(r.episode.completion_ids)
+    assert cut > 0, "some feedback was cut to the budget"
+
+
+def test_episodes_end_on_pass_env_error_or_the_turn_limit(stopping):
+    for r in stopping:
+        ep = r.episode
+        if r.env_error:               # the env_error task: one turn, nothing the model did
+            assert ep.prompt_index == 2 and len(ep.turns) == 1 and ep.end == "done"
+        elif r.final.passed:          # stop on pass: the first passing answer is the last
+            assert ep.end == "done" and r.passed_at == len(ep.turns)
+        else:
+            assert ep.end in ("turns", "context") and not any(v.passed for v in r.verifications)
+            assert len(ep.turns) == 3 or ep.end == "context"
+    assert {r.env_error for r in stopping if r.episode.prompt_index == 2} == {True}
+    assert not any(r.passed_at for r in stopping if r.episode.prompt_index == 1)
+    has_e = [r.passed_at for r in stopping if r.episode.prompt_index == 0]
+    assert any(has_e) and None in has_e, f"the tiny model should pass some has-e episodes, not all: {has_e}"
+    m = episode_metrics(stopping, 3)
+    assert m["env_errors"] == 4 and m["episodes"] == 8 and m["pass_last"] == sum(map(bool, has_e)) / 8
+
+
+def test_without_stop_on_pass_a_passing_episode_goes_on(engine, stopping):
+    going = _episodes(engine, stop_on_pass=False)
+    first = {i: r for i, r in enumerate(stopping)}
+    for i, r in enumerate(going):
+        if r.env_error:
+            continue
+        assert r.episode.end in ("turns", "context")
+        # same seed, same layout: turn 1 is sampled identically in both runs
+        assert r.episode.turns[0].action_ids == first[i].episode.turns[0].action_ids
+    assert any(r.verifications[0].passed and len(r.episode.turns) > 1 for r in going)
+
+
+def test_a_server_engine_is_refused_by_name():
+    from ratchet.rollout.client import HTTPEngine
+    with pytest.raises(TypeError, match="in-process torch engine.*not HTTPEngine"):
+        run_episodes(HTTPEngine("http://127.0.0.1:9"), SPECS, 1, AgentConfig(turns=2), VERIFY, max_new_tokens=4)
+
+
+def test_observation_cut_keeps_the_reprompt_whole(engine):
+    tok = engine.tokenizer
+    n = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])   # noqa: E731
+    body, again = "".join(f"- f({i}): expected {i + 3}, got {i}\n" for i in range(30)), "Revise your answer.\ndef f(x):\n"
+    cut = fit_observation(body, again, tok, 40)
+    assert n(cut) <= 40 and cut.endswith(CUT + again) and body.startswith(cut[: -len(CUT + again)])
+    assert n(fit_observation(body, again, tok, 41)) >= n(cut)                # the budget is used, not wasted
+    assert fit_observation("short\n", again, tok, 40) == "short\n" + again
+    assert fit_observation(body, again, tok, 3) == again                     # over budget alone: still whole
+
+
+def _turn(n_action: int, n_obs: int) -> Turn:
+    return Turn(list(range(n_action)), [-1.0] * n_action, "x", True, None,
+                "o" if n_obs else None, list(range(n_obs)))
+
+
+def _result(passes: list[bool | None], end: str) -> EpisodeResult:
+    """passes: per turn True/False, None = an env_error; turn k has k+2 action and 5 observation tokens."""
+    turns = [_turn(k + 2, 5 if k < len(passes) - 1 else 0) for k in range(len(passes))]
+    vs = [Verification(metrics={}, env_error=True) if p is None else
+          Verification(metrics={"test_pass_rate": 1.0 if p else 0.0}) for p in passes]
+    return EpisodeResult(Episode(0, [1, 2], turns, end, 2, 2), vs)
+
+
+def test_episode_metrics_by_hand():
+    results = [_result([True], "done"),                   # passed at turn 1
+               _result([False, False, True], "done"),     # fixed at turn 3
+               _result([False, True], "done"),            # fixed at turn 2
+               _result([False, False, False], "turns"),   # never
+               _result([False, False], "context"),        # never (out of context after 2)
+               _result([True, False, False], "turns"),    # passed at 1 (stop_on_pass off), then regressed: passed
+               _result([False, None], "done")]            # env_error at turn 2: left out
+    m = episode_metrics(results, 3)
+    assert m["episodes"] == 6 and m["env_errors"] == 1
+    assert m["pass_after_turn"] == pytest.approx([2 / 6, 3 / 6, 4 / 6])
+    assert (m["pass_turn1"], m["pass_last"]) == (m["pass_after_turn"][0], m["pass_after_turn"][2])
+    assert m["failed_turn1"] == 4 and m["fix_rate"] == pytest.approx(2 / 4)
+    assert m["mean_turns"] == pytest.approx((1 + 3 + 2 + 3 + 2 + 3) / 6)
+    # action tokens per episode: 2, 2+3+4, 2+3, 9, 5, 9; observation tokens: 5 per turn but the last
+    assert m["mean_action_tokens"] == pytest.approx((2 + 9 + 5 + 9 + 5 + 9) / 6)
+    assert m["mean_observation_tokens"] == pytest.approx((0 + 10 + 5 + 10 + 5 + 10) / 6)
+    assert m["ends"] == {"done": 3, "turns": 2, "context": 1}
+    assert episode_metrics([_result([True], "done")], 2)["fix_rate"] is None     # nobody failed turn 1
+    with pytest.raises(ValueError, match="more than max_turns=2"):
+        episode_metrics(results, 2)
+
+
+def test_revision_demos_really_fail_then_pass(engine):
+    fams = {name: get_family(name) for name in ("python_functions", "arithmetic", "shell")}
+    specs = [f.generate(f.config(), 0, i, 2, "train") for f in fams.values() for i in range(2)]
+    specs.append(_command_task("no-ref", "true", "Anything.\n"))          # no reference: never a demo
+    demos = revision_demos(specs, 1.0, VERIFY, seed=0, tokenizer=engine.tokenizer, observation_tokens=32, max_mutants=3)
+    by_prompt = {s.prompt: s for s in specs}
+    assert sorted(d[0] for d in demos) == sorted(s.prompt for s in specs[:-1])
+    items = []
+    for prompt, segments in demos:
+        spec = by_prompt[prompt]
+        (wrong, t0), (obs, t1), (fix, t2) = segments
+        assert (t0, t1, t2) == (False, False, True) and fix == spec.reference_solution and wrong != fix
+        items += [(spec, wrong), (spec, fix)]
+    verdicts = verify_many(items, VERIFY.sandbox_limits(), 2)
+    for (prompt, segments), bad, good in zip(demos, verdicts[0::2], verdicts[1::2]):
+        assert not bad.passed and not bad.env_error and good.passed
+        # the observation is rendered from the wrong attempt's real feedback, cut as an episode's
+        assert segments[1][0] == render_observation(by_prompt[prompt], bad, engine.tokenizer, 32)
+    half = revision_demos(specs, 0.5, VERIFY, seed=1, max_mutants=3)
+    assert len(half) == 3 and half == revision_demos(specs, 0.5, VERIFY, seed=1, max_mutants=3)
+    assert revision_demos(specs, 0.0, VERIFY, seed=1) == []
+    with pytest.raises(ValueError, match="fraction"):
+        revision_demos(specs, 1.5, VERIFY, seed=1)
