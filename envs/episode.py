@@ -16,7 +16,8 @@ verifier's FEEDBACK struct and metrics (`ratchet/data/schemas.py`), never from t
 itself, so any task is episodic without code of its own: every generated family and every
 imported task works with the defaults here. A family may customise either part with the
 `observe` and `reprompt` fields of its registration (`envs/registry.py`): bugfix shows the
-failing hidden test, arithmetic hides the expected value (it is the answer).
+failing hidden test, arithmetic says only whether its number was wrong. An observation never
+shows the expected value of more than the first third of a task's hidden calls (SHOWN_EXPECTED).
 
 Default re-prompt: "Revise your answer." and, when the answer continues a function header
 (python_functions writes `prompt + answer`, a body after `def f(x):`; HumanEval likewise),
@@ -141,16 +142,28 @@ def _summary(feedback: dict | None, metrics: dict | None) -> str:
     return " ".join(parts) or "Failed."
 
 
+SHOWN_EXPECTED = 1 / 3
+"""Of a task's hidden calls, the share whose expected value an observation may show: the first
+floor(n / 3). A failed call past them shows what the answer gave, not what it should have: an
+observation is not an answer key, so an answer that special-cases what it was shown still fails the
+calls it was not shown (a task with one call, such as arithmetic's, shows none)."""
+
+
 def _call_describer(spec: TaskSpec) -> Callable[[dict], str]:
-    """`f(3): expected 6, got 5` for a check_calls failure ("args [3]: expected 6, got 5");
-    `test_x: assert 1 == 2` for pytest's ("FAILED: assert 1 == 2"); else `name: detail`."""
+    """`f(3): expected 6, got 5` for a check_calls failure among the first SHOWN_EXPECTED of the
+    hidden calls ("args [3]: expected 6, got 5"), `f(3): got 5, wrong` for the others; `test_x:
+    assert 1 == 2` for pytest's ("FAILED: assert 1 == 2"); else `name: detail`."""
     entry = next((s.entry_point for s in spec.execution_steps if isinstance(s, CheckCalls)), None)
+    shown = int(len(spec.tests) * SHOWN_EXPECTED)
 
     def describe(t: dict) -> str:
         name, detail = t.get("name") or "", t.get("detail") or ""
-        m = re.match(r"args \[(.*)\]: (.*)$", detail, re.S)
+        m = re.match(r"args \[(.*)\]: expected (.*), got (.*)$", detail, re.S)
         if entry is not None and m and name.startswith("call "):
-            return f"{entry}({m.group(1)}): {m.group(2)}"
+            index = int(name.split()[1]) if name.split()[1].isdigit() else len(spec.tests)
+            if index < shown:
+                return f"{entry}({m.group(1)}): expected {m.group(2)}, got {m.group(3)}"
+            return f"{entry}({m.group(1)}): got {m.group(3)}, wrong"
         name = name.rsplit("::", 1)[-1]
         detail = re.sub(r"^(FAILED|ERROR): ", "", detail)
         return f"{name}: {detail}" if detail not in ("FAILED", "ERROR", "") else f"{name}: {detail.lower() or 'failed'}"

@@ -3,7 +3,8 @@
     results = run_episodes(engine, specs, n=4, agent=cfg.agent, verify=cfg.verify,
                            max_new_tokens=64, temperature=1.0, greedy=False, seed=0, batch_size=128)
     results[0].episode.turns, results[0].verifications, results[0].final.passed
-    episode_metrics(results, cfg.agent.turns)   # pass rate after turn k, fix rate, turns and tokens
+    episode_metrics([turn_records(r) for r in results], cfg.agent.turns)   # pass rate after turn k, fix rate, ...
+    frame = episode_frame(run_id, step, version, specs, results, group_size=4)   # the wave's trajectory rows
     demos = revision_demos(specs, 0.3, cfg.verify, seed=0)   # (prompt, [(wrong, False), (obs, False), (fix, True)])
 
 `run_episodes` samples with `generate_episodes` (ratchet/rollout/episodes.py: every live episode
@@ -28,6 +29,7 @@ from envs.episode import observation_parts
 from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import AgentConfig, VerifyConfig
+from ratchet.data.schemas import trajectories_frame
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
 from ratchet.scale import executor_for
 from ratchet.verify import Verification, verify_many
@@ -66,6 +68,30 @@ def turn_records(result: EpisodeResult) -> list[dict]:
              "metrics": v.metrics or None, "feedback": v.feedback, "passed": v.passed, "reward": None,
              "env_error": v.env_error}
             for k, (t, v) in enumerate(zip(result.episode.turns, result.verifications))]
+
+
+def episode_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec], results: Sequence,
+                  group_size: int) -> pl.DataFrame:
+    """Trajectory rows of multi-turn episodes (`ratchet.agent.run_episodes` results, grouped by prompt),
+    verified already: one row per episode. `completion` is the final answer (what the row's metrics
+    judge); `completion_ids` the whole conversation after the prompt, answers and observations, with
+    `loss_mask` 0 and behaviour log-prob 0.0 on observation tokens; `turns` every answer with its
+    observation, metrics, feedback and verdict (`ratchet.agent.turn_records`; rewards: the scoring stage's)."""
+    rows = []
+    for i, res in enumerate(results):
+        ep, spec, final = res.episode, specs[res.episode.prompt_index], res.final
+        turns = turn_records(res)
+        rows.append({
+            "run_id": run_id, "step": step, "policy_version": version,
+            "task_id": spec.task_id, "family": spec.family, "difficulty": spec.difficulty,
+            "group_id": f"{step}:{ep.prompt_index}", "sample_idx": i % group_size,
+            "prompt": spec.prompt, "completion": turns[-1]["action"], "turns": turns,
+            "prompt_tokens": len(ep.prompt_ids), "completion_tokens": len(ep.completion_ids),
+            "completion_ids": ep.completion_ids, "behavior_logprobs": ep.logprobs, "loss_mask": ep.loss_mask,
+            "metrics": None if final.env_error else final.metrics or None,
+            "feedback": final.feedback, "env_error": final.env_error, "env_error_kind": final.env_error_kind,
+        })
+    return trajectories_frame(rows)
 
 
 def fit_observation(body: str, again: str, tokenizer, budget: int) -> str:
@@ -131,34 +157,41 @@ def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, 
     return results
 
 
-def episode_metrics(results: Sequence[EpisodeResult], max_turns: int) -> dict:
-    """Figures of a set of episodes, env_error episodes left out (counted in `env_errors`):
-    `pass_after_turn[k-1]`: the share passed by turn k, k = 1..max_turns (passed at turn j counts
-    for every k >= j; an episode that ended sooner keeps its state); `pass_turn1`, `pass_last`;
-    `fix_rate`: of the episodes that failed turn 1 (`failed_turn1`), the share that passed later
-    (None when none failed); `mean_turns`, `mean_action_tokens` (sampled), `mean_observation_tokens`;
-    `ends`: episodes per end reason. Rates are None when no episode counts."""
-    ok = [r for r in results if not r.env_error]
+def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
+    """Figures of a set of episodes, each given as its turn records (`turn_records`, or a trajectory
+    row's `turns`: `passed`, `env_error`, `action_tokens`, `observation_tokens` per turn; the
+    evaluation's carry `passed` only). Episodes that ended in an env_error are left out (counted in
+    `env_errors`). `pass_after_turn[k-1]`: the share passed by turn k, k = 1..max_turns (passed at
+    turn j counts for every k >= j; an episode that ended sooner keeps its state); `pass_turn1`,
+    `pass_last`; `fix_rate`: of the episodes that failed turn 1 (`failed_turn1`), the share that
+    passed later (None when none failed); `mean_turns`, `mean_action_tokens` (sampled),
+    `mean_observation_tokens`; `ends`: episodes that ended passing, at the turn limit, or earlier
+    (out of context). Rates are None when no episode counts."""
     if max_turns < 1:
         raise ValueError(f"episode_metrics: max_turns must be at least 1, got {max_turns}")
-    if any(len(r.episode.turns) > max_turns for r in ok):
+    ok = [e for e in episodes if e and not e[-1].get("env_error")]
+    if any(len(e) > max_turns for e in ok):
         raise ValueError(f"episode_metrics: an episode has more than max_turns={max_turns} turns")
 
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
-    after = [mean([float(r.passed_at is not None and r.passed_at <= k) for r in ok]) for k in range(1, max_turns + 1)]
-    failed1 = [r for r in ok if r.passed_at != 1]
-    ends: dict[str, int] = {}
-    for r in ok:
-        ends[r.episode.end] = ends.get(r.episode.end, 0) + 1
+    def passed_at(e: Sequence[dict]) -> int | None:
+        return next((k for k, t in enumerate(e, 1) if t["passed"]), None)
+
+    first = [passed_at(e) for e in ok]
+    after = [mean([float(j is not None and j <= k) for j in first]) for k in range(1, max_turns + 1)]
+    failed1 = [j for j in first if j != 1]
+    ends = {"passed": 0, "turns": 0, "context": 0}
+    for e in ok:
+        ends["passed" if e[-1]["passed"] else "turns" if len(e) == max_turns else "context"] += 1
     return {
-        "episodes": len(ok), "env_errors": len(results) - len(ok),
+        "episodes": len(ok), "env_errors": len(episodes) - len(ok),
         "pass_after_turn": after, "pass_turn1": after[0], "pass_last": after[-1],
-        "fix_rate": mean([float(r.passed_at is not None) for r in failed1]), "failed_turn1": len(failed1),
-        "mean_turns": mean([len(r.episode.turns) for r in ok]),
-        "mean_action_tokens": mean([sum(len(t.action_ids) for t in r.episode.turns) for r in ok]),
-        "mean_observation_tokens": mean([sum(len(t.observation_ids) for t in r.episode.turns) for r in ok]),
+        "fix_rate": mean([float(j is not None) for j in failed1]), "failed_turn1": len(failed1),
+        "mean_turns": mean([len(e) for e in ok]),
+        "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e) for e in ok]),
+        "mean_observation_tokens": mean([sum(t.get("observation_tokens") or 0 for t in e) for e in ok]),
         "ends": ends,
     }
 

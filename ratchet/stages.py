@@ -13,7 +13,7 @@ from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
-from ratchet.rollout.wave import episode_frame, pick_tasks, wave_frame
+from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample
 from ratchet.verify import passed, verify_many
@@ -36,7 +36,7 @@ def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int,
     sampling = dict(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                     batch_size=cfg.rollout.batch_size, seed=wave_seed(cfg.train.seed, step))
     if cfg.agent.turns > 1:
-        from ratchet.agent import run_episodes
+        from ratchet.agent import episode_frame, run_episodes
 
         results = run_episodes(engine, specs, cfg.rollout.group_size, cfg.agent, cfg.verify, greedy=False,
                                executor=executor or executor_for(cfg.verify), **sampling)
@@ -148,14 +148,10 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     if cfg.agent.turns > 1:
         from ratchet.agent import episode_metrics
 
-        stats.update(episode_metrics(turn_verdicts(verified), cfg.agent.turns))
+        figures = episode_metrics(frame["turns"].to_list(), cfg.agent.turns)
+        stats.update({k: v for k, v in figures.items() if k != "ends"},
+                     **{f"episodes_ended_{k}": v for k, v in figures["ends"].items()})
     return stats
-
-
-def turn_verdicts(frame: pl.DataFrame) -> list[list[bool]]:
-    """Per row, whether each of its answers passed (`turns[].passed`; a single-turn row: its verdict)."""
-    return [[bool(t["passed"]) for t in turns] if turns and turns[0]["passed"] is not None else [passed(m)]
-            for turns, m in zip(frame["turns"], frame["metrics"])]
 
 
 def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:

@@ -94,7 +94,7 @@ def test_episodes_end_on_pass_env_error_or_the_turn_limit(stopping):
     assert not any(r.passed_at for r in stopping if r.episode.prompt_index == 1)
     has_e = [r.passed_at for r in stopping if r.episode.prompt_index == 0]
     assert any(has_e) and None in has_e, f"the tiny model should pass some has-e episodes, not all: {has_e}"
-    m = episode_metrics(stopping, 3)
+    m = episode_metrics([turn_records(r) for r in stopping], 3)
     assert m["env_errors"] == 4 and m["episodes"] == 8 and m["pass_last"] == sum(map(bool, has_e)) / 8
 
 
@@ -148,7 +148,7 @@ def test_episode_metrics_by_hand():
                _result([False, False], "context"),        # never (out of context after 2)
                _result([True, False, False], "turns"),    # passed at 1 (stop_on_pass off), then regressed: passed
                _result([False, None], "done")]            # env_error at turn 2: left out
-    m = episode_metrics(results, 3)
+    m = episode_metrics([turn_records(r) for r in results], 3)
     assert m["episodes"] == 6 and m["env_errors"] == 1
     assert m["pass_after_turn"] == pytest.approx([2 / 6, 3 / 6, 4 / 6])
     assert (m["pass_turn1"], m["pass_last"]) == (m["pass_after_turn"][0], m["pass_after_turn"][2])
@@ -157,10 +157,10 @@ def test_episode_metrics_by_hand():
     # action tokens per episode: 2, 2+3+4, 2+3, 9, 5, 9; observation tokens: 5 per turn but the last
     assert m["mean_action_tokens"] == pytest.approx((2 + 9 + 5 + 9 + 5 + 9) / 6)
     assert m["mean_observation_tokens"] == pytest.approx((0 + 10 + 5 + 10 + 5 + 10) / 6)
-    assert m["ends"] == {"done": 3, "turns": 2, "context": 1}
-    assert episode_metrics([_result([True], "done")], 2)["fix_rate"] is None     # nobody failed turn 1
+    assert m["ends"] == {"passed": 3, "turns": 2, "context": 1}
+    assert episode_metrics([turn_records(_result([True], "done"))], 2)["fix_rate"] is None     # nobody failed turn 1
     with pytest.raises(ValueError, match="more than max_turns=2"):
-        episode_metrics(results, 2)
+        episode_metrics([turn_records(r) for r in results], 2)
 
 
 def test_revision_demos_really_fail_then_pass(engine):

@@ -114,8 +114,8 @@ class EvalResult:
         if self.turns > 1:
             from ratchet.agent import episode_metrics
 
-            judged = self.rows.filter(~pl.col("env_error"))
-            out["turns"] = episode_metrics([list(t) for t in judged["turns_passed"]], self.turns)
+            out["turns"] = episode_metrics([[{"passed": p, "env_error": e} for p in passes] for passes, e
+                                            in self.rows.select("turns_passed", "env_error").iter_rows()], self.turns)
         return out
 
 

@@ -3,7 +3,6 @@
     specs = pick_tasks(tasks, n=64, step=3, total=40, curriculum=family.curriculum, seed=0)
     rollouts = engine.generate([s.prompt for s in specs], n=8, ...)
     frame = wave_frame(run_id, step, version, specs, rollouts, group_size=8)
-    frame = episode_frame(run_id, step, version, specs, results, group_size=8)   # multi-turn (ratchet/agent.py)
 """
 
 from __future__ import annotations
@@ -56,34 +55,3 @@ def wave_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec],
         })
     return trajectories_frame(rows)
 
-
-def episode_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec], results: Sequence,
-                  group_size: int) -> pl.DataFrame:
-    """Trajectory rows of multi-turn episodes (`ratchet.agent.run_episodes` results, grouped by prompt),
-    verified already: one row per episode. `completion` is the final answer (what the row's metrics
-    judge); `completion_ids` the whole conversation after the prompt, answers and observations, with
-    `loss_mask` 0 and behaviour log-prob 0.0 on observation tokens; `turns` every answer with its
-    observation, metrics, feedback and verdict (the rewards are the scoring stage's)."""
-    rows = []
-    for i, res in enumerate(results):
-        ep, spec = res.episode, specs[res.episode.prompt_index]
-        final = None if res.env_error else res.final
-        turns = [{"turn": k, "action": t.action_text, "observation": t.observation,
-                  "action_tokens": len(t.action_ids), "observation_tokens": len(t.observation_ids),
-                  "metrics": (v.metrics or None) if v is not None and not v.env_error else None,
-                  "feedback": v.feedback if v is not None else None,
-                  "passed": None if v is None or v.env_error else v.passed,
-                  "env_error": None if v is None else v.env_error}
-                 for k, (t, v) in enumerate(zip(ep.turns, res.verifications))]
-        rows.append({
-            "run_id": run_id, "step": step, "policy_version": version,
-            "task_id": spec.task_id, "family": spec.family, "difficulty": spec.difficulty,
-            "group_id": f"{step}:{ep.prompt_index}", "sample_idx": i % group_size,
-            "prompt": spec.prompt, "completion": ep.turns[-1].action_text, "turns": turns,
-            "prompt_tokens": len(ep.prompt_ids), "completion_tokens": len(ep.completion_ids),
-            "completion_ids": ep.completion_ids, "behavior_logprobs": ep.logprobs, "loss_mask": ep.loss_mask,
-            "metrics": (final.metrics or None) if final is not None else None,
-            "feedback": final.feedback if final is not None else None,
-            "env_error": res.env_error, "env_error_kind": res.env_error_kind,
-        })
-    return trajectories_frame(rows)

@@ -23,11 +23,12 @@ FEEDBACK = {"exit_code": 0, "killed_by": None, "timed_out": False, "stdout_tail"
             "failed_tests": []}
 
 
-def _fn_spec(prefix: str = "# add 3\ndef f(x):\n") -> TaskSpec:
+def _fn_spec(prefix: str = "# add 3\ndef f(x):\n", n_tests: int = 10) -> TaskSpec:
     return TaskSpec(task_id="t", family="imported", prompt=prefix,
                     execution_steps=(OverwriteFile(path="/app/solution.py", content=prefix + COMPLETION),
                                      CheckCalls(entry_point="f")),
-                    tests=(CallTest(args="[3]", expected="6"),), reference_solution="    return x + 3\n")
+                    tests=tuple(CallTest(args=f"[{i}]", expected=str(i + 3)) for i in range(n_tests)),
+                    reference_solution="    return x + 3\n")
 
 
 def test_call_failures_then_the_error_tail_then_the_other_failures():
@@ -65,8 +66,20 @@ def test_limits_and_an_empty_answer():
 
 def test_more_failures_than_shown_are_counted():
     fb = FEEDBACK | {"failed_tests": [{"name": f"call {i}", "detail": f"args [{i}]: expected 1, got 0"} for i in range(8)]}
-    lines = feedback_text(_fn_spec(), fb, {"tests_passed": 0, "tests_total": 8}).splitlines()
-    assert lines[1:] == [f"- f({i}): expected 1, got 0" for i in range(5)] + ["- ... 3 more failed"]
+    lines = feedback_text(_fn_spec(n_tests=8), fb, {"tests_passed": 0, "tests_total": 8}).splitlines()
+    assert lines[1:] == ([f"- f({i}): expected 1, got 0" for i in range(2)] + [f"- f({i}): got 0, wrong" for i in range(2, 5)]
+                         + ["- ... 3 more failed"])
+
+
+@pytest.mark.parametrize("n_tests, shown", [(1, 0), (2, 0), (3, 1), (6, 2), (10, 3)])
+def test_an_observation_is_not_an_answer_key(n_tests, shown):
+    """Expected values of the first third of the hidden calls at most: an answer special-casing what it
+    was shown still fails the rest."""
+    fb = FEEDBACK | {"failed_tests": [{"name": f"call {i}", "detail": f"args [{i}]: expected {i + 3}, got 0"}
+                                      for i in range(n_tests)]}
+    body = feedback_text(_fn_spec(n_tests=n_tests), fb, {"tests_passed": 0, "tests_total": n_tests})
+    assert [i for i in range(n_tests) if f"f({i}): expected {i + 3}, got 0" in body] == list(range(min(shown, 5)))
+    assert all(f"f({i}): got 0, wrong" in body for i in range(shown, min(n_tests, 5)))
 
 
 def test_continued_header():
