@@ -57,6 +57,8 @@ def test_a_multi_turn_row_trains_with_its_loss_mask():
     samples = train_samples(frame, lambda ps: [[1, 2] for _ in ps], _cfg())
     assert [s.loss_mask for s in samples] == [[1, 0, 0, 1], None]
     assert [s.action_tokens for s in samples] == [2, 1]
+    gae = _advantages(frame, _cfg("gae"))["token_advantages"].to_list()      # stored what trains: 0 on o1
+    assert len(gae[0]) == 4 and gae[0][1:3] == [0.0, 0.0] and gae[0][0] != 0.0 and gae[0][3] != 0.0
 
 
 def test_grpo_advantages_by_hand_and_excluded_groups():
