@@ -163,7 +163,7 @@ def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> li
         return []
     prompt_ids = encode_prompts(usable["prompt"].to_list())
     return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
-                        reward=row["reward"], row=row["_row"])
+                        reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"))
             for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
 
 

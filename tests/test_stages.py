@@ -47,6 +47,20 @@ def test_only_whole_verified_groups_are_trainable():
     assert [s.row for s in samples] == [0, 1, 2, 3] and all(s.advantage is None for s in samples)
 
 
+def test_a_multi_turn_row_trains_with_its_loss_mask():
+    """A row's loss_mask (0 on observation tokens) reaches its TrainSample; a null one stays None (all ones)."""
+    frame = _wave({"a": [1.0, 0.0]}).with_columns(
+        pl.Series("completion_ids", [[5, 6, 7, 8], [5]], dtype=pl.List(pl.Int32)),
+        pl.Series("behavior_logprobs", [[-1.0, 0.0, 0.0, -1.0], [-1.0]], dtype=pl.List(pl.Float32)),
+        pl.Series("completion_tokens", [4, 1], dtype=pl.Int32),
+        pl.Series("loss_mask", [[1, 0, 0, 1], None], dtype=pl.List(pl.Int8)))
+    samples = train_samples(frame, lambda ps: [[1, 2] for _ in ps], _cfg())
+    assert [s.loss_mask for s in samples] == [[1, 0, 0, 1], None]
+    assert [s.action_tokens for s in samples] == [2, 1]
+    gae = _advantages(frame, _cfg("gae"))["token_advantages"].to_list()      # stored what trains: 0 on o1
+    assert len(gae[0]) == 4 and gae[0][1:3] == [0.0, 0.0] and gae[0][0] != 0.0 and gae[0][3] != 0.0
+
+
 def test_grpo_advantages_by_hand_and_excluded_groups():
     frame = _advantages(_wave(WAVE), _cfg())
     adv = dict(zip(zip(frame["group_id"], frame["sample_idx"]), frame["advantage"]))

@@ -15,12 +15,13 @@ from ratchet.data.schemas import (
     SchemaError,
     conform,
     schema_diff,
+    single_turn,
     tasks_frame,
     trajectories_frame,
 )
 
 __all__ = [
     "AUDIT_COLUMNS", "AUDITED_TASK_SCHEMA", "METRICS", "TASK_SCHEMA", "TRAJECTORY_NULLABLE",
-    "TRAJECTORY_SCHEMA", "TURN", "SchemaError", "conform", "schema_diff", "tasks_frame",
+    "TRAJECTORY_SCHEMA", "TURN", "SchemaError", "conform", "schema_diff", "single_turn", "tasks_frame",
     "trajectories_frame",
 ]

@@ -170,6 +170,10 @@ def wave_checks(cfg: GateConfig, reward_bounds: tuple[float, float] | None, max_
             ("group_id", "reward", "env_error"),
             f"at most {cfg.max_zero_variance_frac:.1%} of groups have all-equal rewards (no learning signal)",
             aggregate=True),
+        Check("loss_mask_fits", "rows", lambda g: g.ExpectColumnValuesToBeInSet(
+            column="loss_mask_fits", value_set=[True]), ("loss_mask", "completion_tokens"),
+            "a row's loss_mask (multi-turn: 0 on observation tokens) is null or has one 0/1 entry per completion "
+            "token, at least one of them 1"),
     ]
     if max_tokens is not None:
         checks.append(Check("tokens_within_context", "rows", lambda g: g.ExpectColumnValuesToBeBetween(
@@ -278,6 +282,11 @@ def _wave_rows(df: pl.DataFrame, usable: set[str]):
         cols.append(pl.col("metrics").struct.field("test_pass_rate").alias("test_pass_rate"))
     if {"prompt_tokens", "completion_tokens"} <= usable:
         cols.append((pl.col("prompt_tokens").cast(pl.Int64) + pl.col("completion_tokens")).alias("total_tokens"))
+    if {"loss_mask", "completion_tokens"} <= usable:
+        m = pl.col("loss_mask")
+        fits = ((m.list.len() == pl.col("completion_tokens")) & m.list.eval(pl.element().is_in([0, 1])).list.all()
+                & (m.list.max() == 1))
+        cols.append((m.is_null() | fits.fill_null(False)).alias("loss_mask_fits"))
     return df.with_row_index("row").select(pl.col("row"), *cols).to_pandas()
 
 

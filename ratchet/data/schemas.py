@@ -65,8 +65,6 @@ def tasks_frame(specs: Iterable[Any], verdicts: Iterable[tuple[str, str]] | None
 
 # --- trajectory table ----------------------------------------------------------------------
 
-TURN = pl.Struct({"role": pl.String, "content": pl.String})
-
 METRICS = pl.Struct(
     {
         "test_pass_rate": pl.Float64,     # tests passed / total, in [0, 1]
@@ -97,6 +95,24 @@ FEEDBACK = pl.Struct(
 )
 """What the sandbox said about a row's run (ratchet.verify.verifier.feedback_from), for `ratchet trace`."""
 
+TURN = pl.Struct(
+    {
+        "turn": pl.Int32,                 # 0-based index in the episode
+        "action": pl.String,              # the model's answer at this turn (as verified)
+        "observation": pl.String,         # what came back and was appended after it; null on the last turn
+        "action_tokens": pl.Int32,        # sampled tokens of the answer (EOS / stop included)
+        "observation_tokens": pl.Int32,   # tokens of the observation as the model saw them; null when none
+        "metrics": METRICS,               # this answer's verification; null where not verified
+        "feedback": FEEDBACK,             # likewise
+        "passed": pl.Boolean,             # Verification.passed of this answer; null where not verified
+        "reward": pl.Float64,             # this answer's reward; null where not scored
+        "env_error": pl.Boolean,          # its verification hit an infrastructure failure
+    }
+)
+"""One turn of an episode: answer k, its verdict, and the observation the model read before answer k + 1.
+The row's `completion_ids` are every turn's action and observation tokens in order, and its
+`loss_mask` marks which are the model's own."""
+
 TRAJECTORY_SCHEMA = pl.Schema(
     {
         "run_id": pl.String,
@@ -108,12 +124,13 @@ TRAJECTORY_SCHEMA = pl.Schema(
         "group_id": pl.String,            # rows sampled from the same prompt share it (GRPO group)
         "sample_idx": pl.Int32,           # index within the group
         "prompt": pl.String,
-        "completion": pl.String,          # the final answer (last assistant turn)
-        "turns": pl.List(TURN),           # every turn, for multi-turn episodes (single-turn: 2 turns)
+        "completion": pl.String,          # the final answer (last turn's action)
+        "turns": pl.List(TURN),           # every turn of the episode (single-turn: one turn, the completion)
         "prompt_tokens": pl.Int32,
         "completion_tokens": pl.Int32,
-        "completion_ids": pl.List(pl.Int32),       # [completion_tokens]
-        "behavior_logprobs": pl.List(pl.Float32),  # [completion_tokens], from the sampling policy
+        "completion_ids": pl.List(pl.Int32),       # [completion_tokens]: a1 + o1 + a2 + ... (multi-turn)
+        "behavior_logprobs": pl.List(pl.Float32),  # [completion_tokens], from the sampling policy (0.0 on observations)
+        "loss_mask": pl.List(pl.Int8),             # [completion_tokens]: 1 = the model's token, 0 = observation; null = all 1
         "metrics": METRICS,               # null until verified, and for env_error rows
         "reward": pl.Float64,             # null until scored
         "env_error": pl.Boolean,          # infrastructure failure: excluded, never scored as the model's
@@ -124,20 +141,21 @@ TRAJECTORY_SCHEMA = pl.Schema(
     }
 )
 
-TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "metrics", "reward", "env_error_kind", "feedback",
+TRAJECTORY_NULLABLE = frozenset({"turns", "behavior_logprobs", "loss_mask", "metrics", "reward", "env_error_kind", "feedback",
                                  "advantage", "token_advantages"})
 """Columns that may be null (or absent from the row dicts); all others are required."""
 
-_STRUCT_FIELDS = {"metrics": set(METRICS.to_schema()), "turns": {"role", "content"},
-                  "feedback": set(FEEDBACK.to_schema())}
+_STRUCT_COLUMNS = ("metrics", "turns", "feedback")
+"""Columns holding structs: their dicts are checked for unknown fields (polars would drop them silently)."""
 
 
 def trajectories_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
     """Build the trajectory table from row dicts, cast to TRAJECTORY_SCHEMA.
 
     Ints are accepted for float columns and for `group_id` (stored as its string); nullable
-    columns may be omitted; omitted `turns` become [user: prompt, assistant: completion]. Anything else that does not fit raises one SchemaError naming
-    the column, the row and the value."""
+    columns may be omitted; omitted `turns` become the single turn {turn: 0, action: completion,
+    action_tokens: completion_tokens} (the rest null). Anything else that does not fit raises one
+    SchemaError naming the column, the row and the value."""
     rows = [_defaults(r) for r in rows]
     return _frame(rows, TRAJECTORY_SCHEMA, "trajectory", nullable=TRAJECTORY_NULLABLE)
 
@@ -146,9 +164,35 @@ def _defaults(row: dict[str, Any]) -> dict[str, Any]:
     row = dict(row)
     if isinstance(row.get("group_id"), int) and not isinstance(row["group_id"], bool):
         row["group_id"] = str(row["group_id"])
-    if row.get("turns") is None and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        row["turns"] = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+    if row.get("turns") is None and isinstance(row.get("completion"), str):
+        row["turns"] = [single_turn(row["completion"], row.get("completion_tokens"))]
     return row
+
+
+def single_turn(completion: str, completion_tokens: int | None) -> dict[str, Any]:
+    """The `turns` entry of a single-turn row: the completion as turn 0, nothing observed after it."""
+    return {"turn": 0, "action": completion, "observation": None, "action_tokens": completion_tokens,
+            "observation_tokens": None, "metrics": None, "feedback": None, "passed": None, "reward": None,
+            "env_error": None}
+
+
+def _unknown_fields(value: Any, dtype: pl.DataType, path: str) -> tuple[str, list[str], list[str]] | None:
+    """The first dict inside `value` with fields its struct type lacks: (where, extra, expected)."""
+    if isinstance(dtype, pl.Struct) and isinstance(value, dict):
+        fields = {f.name: f.dtype for f in dtype.fields}
+        extra = sorted(set(value) - set(fields))
+        if extra:
+            return path, extra, sorted(fields)
+        for key, v in value.items():
+            found = _unknown_fields(v, fields[key], f"{path}.{key}") if v is not None else None
+            if found:
+                return found
+    elif isinstance(dtype, pl.List) and isinstance(dtype.inner, (pl.Struct, pl.List)) and isinstance(value, list):
+        for j, v in enumerate(value):
+            found = _unknown_fields(v, dtype.inner, f"{path}[{j}]")
+            if found:
+                return found
+    return None
 
 
 def _frame(rows: list[dict[str, Any]], schema: pl.Schema, what: str, nullable: frozenset[str] = frozenset()) -> pl.DataFrame:
@@ -160,14 +204,13 @@ def _frame(rows: list[dict[str, Any]], schema: pl.Schema, what: str, nullable: f
         missing = [c for c in schema if c not in nullable and row.get(c) is None]
         if missing:
             raise SchemaError(f"{what} row {i}: column {missing[0]!r} is required (missing or null)")
-        for col, fields in _STRUCT_FIELDS.items():
-            if col in schema and row.get(col) is not None:
-                items = row[col] if col == "turns" else [row[col]]
-                for item in items:
-                    extra = set(item) - fields if isinstance(item, dict) else set()
-                    if extra:
-                        raise SchemaError(f"{what} row {i}: column {col!r} has unknown field(s) {sorted(extra)}; "
-                                          f"expected {sorted(fields)}")
+        for col in _STRUCT_COLUMNS:
+            found = _unknown_fields(row[col], schema[col], col) if col in schema and row.get(col) is not None else None
+            if found:
+                where, extra, fields = found
+                at = f" ({where})" if where != col else ""
+                raise SchemaError(f"{what} row {i}: column {col!r}{at} has unknown field(s) {extra}; "
+                                  f"expected {fields}")
     columns = []
     for col, dtype in schema.items():
         values = [r.get(col) for r in rows]

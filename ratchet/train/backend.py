@@ -21,6 +21,15 @@ log-probs are the first pass's, detached, so they cost no extra forward); the ga
 pi_old and the behaviour policy that sampled the wave (the engine's log-probs) is corrected
 per token by the truncated weight min(pi_old / pi_behav, `is_cap`).
 
+Multi-turn trajectories (`TrainSample.loss_mask`, 0 on observation tokens): the observations are
+in the forward (attended to) but outside every loss term: the policy loss, KL, entropy bonus
+and value loss are masked to the model's own tokens, and the denominators (`denom`, `max_len`)
+count action tokens only. GAE skips observation tokens: they are the environment's transition
+between two answers, so the recursion steps from the last token of answer k straight to the
+first token of answer k + 1 (whose value V(s) has read the observation), with no discount over
+the observation's length; the outcome reward sits on the last action token, and advantages are
+whitened over the wave's action tokens. With loss_mask None nothing changes, bit for bit.
+
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
 forwarded at all; they still count in the normaliser, so the gradient does not change.
 
@@ -54,6 +63,7 @@ from ratchet.train.batching import (
     TrainSample,
     collate,
     collate_shared,
+    loss_mask_of,
     pack_by_prompt,
     pack_by_tokens,
     place_tokens,
@@ -161,7 +171,8 @@ class Trainer(ABC):
     def _gae_advantages(self, samples: list[TrainSample], kl_reward: bool) -> list[TrainSample]:
         per_sample = self._token_pass(samples, kl_reward, values=True)   # id -> (adv [c], returns [c], values [c])
         flat = torch.cat([per_sample[id(s)][0] for s in samples])                             # [sum c]
-        white = masked_whiten(flat[None], torch.ones_like(flat)[None])[0]                    # PPO: over the wave's tokens
+        flat_mask = torch.cat([loss_mask_of(s) for s in samples]).to(flat.dtype)              # [sum c]
+        white = masked_whiten(flat[None], flat_mask[None])[0]        # PPO: over the wave's action tokens
         out, pos = [], 0
         for s in samples:
             adv, ret, val = per_sample[id(s)]
@@ -241,9 +252,9 @@ class Trainer(ABC):
     def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
         rl = self.rl
         seq_level = rl.loss_agg != "token_mean"
-        n_tokens = sum(len(s.completion_ids) for s in minibatch)
+        n_tokens = sum(s.action_tokens for s in minibatch)    # the model's own tokens (observations are not)
         denom = len(minibatch) if seq_level else n_tokens      # the whole minibatch's, skipped rows included
-        max_len = max(len(s.completion_ids) for s in minibatch)
+        max_len = max(s.action_tokens for s in minibatch)
         live = [s for s in minibatch if not self._zero_grad_sample(s)]
         if not live:  # keep one row so the optimizer sees a (zero) gradient, exactly as without skipping
             live = [min(minibatch, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))]
@@ -310,9 +321,9 @@ class Trainer(ABC):
     def _micro_loss_shared(self, micro, old, denom, max_len) -> tuple[Tensor, dict[str, float]]:
         """The policy loss on the prompt-shared layout (completion positions only)."""
         rl, dev = self.rl, self.device
-        prompt_ids, prompt_attn, index, comp_ids, mask, behavior, adv = (
-            t.to(dev) for t in collate_shared(micro, self.pad_id))
-        logits, _ = self._forward(prompt_ids, prompt_attn, False, (index, comp_ids, mask))  # [N, C, V]
+        prompt_ids, prompt_attn, index, comp_ids, comp_attn, mask, behavior, adv = (
+            t.to(dev) for t in collate_shared(micro, self.pad_id))       # attention on observations, loss not
+        logits, _ = self._forward(prompt_ids, prompt_attn, False, (index, comp_ids, comp_attn))  # [N, C, V]
         z = logits.float() / self.temperature
         logp = torch.log_softmax(z, dim=-1).gather(2, comp_ids[:, :, None]).squeeze(2)        # [N, C]
         entropy = entropy_from_logits(z) if rl.entropy_coef > 0 else None                       # [N, C]
@@ -320,7 +331,7 @@ class Trainer(ABC):
         ref = None
         if self.ref_model is not None and not rl.kl_in_reward:
             with torch.no_grad():
-                ref = self._ref_shared(prompt_ids, prompt_attn, index, comp_ids, mask)                 # [N, C]
+                ref = self._ref_shared(prompt_ids, prompt_attn, index, comp_ids, comp_attn)            # [N, C]
         return self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
 
     def _ref_shared(self, prompt_ids, prompt_attn, index, comp_ids, comp_attn) -> Tensor:

@@ -2,10 +2,18 @@
 
     samples = [TrainSample(prompt_ids, completion_ids, behavior_logprobs, advantage, group, reward=r), ...]
     for micro in pack_by_prompt(samples, budget=8192): prompt_ids, ..., adv = collate_shared(micro, pad_id)
+    # multi-turn: TrainSample(..., loss_mask=[1, 1, 0, 0, 1, ...]) (0 on observation tokens)
 
 Two layouts: the plain one (`collate`: each row is prompt + completion, right-padded,
 [N, L]) and the prompt-shared one (`collate_shared`: each distinct prompt once [U, P], the
 completions [N, C]), which forwards a group's prompt once for its G samples.
+
+Multi-turn episodes: `completion_ids` is everything after the prompt, a1 + o1 + a2 + ... + aK,
+the observations (the sandbox's feedback, which the model read but did not write) included.
+`loss_mask` is 1 on the model's own tokens and 0 on observation tokens (whose behaviour log-prob
+is 0.0); None means all ones (single-turn). Every layout keeps attention on observation tokens
+(they are context for the next answer) and puts the loss mask apart from it: the loss, KL,
+entropy, values and every denominator count action tokens only.
 """
 
 from __future__ import annotations
@@ -28,6 +36,26 @@ class TrainSample:
     token_advantages: list[float] | None = None   # "gae": one per completion token
     returns: list[float] | None = None            # "gae": value-loss targets, one per token
     old_values: list[float] | None = None         # "gae": V(s_t) before the epoch, one per token
+    loss_mask: list[int] | None = None            # one per completion token: 1 = the model's own (action)
+                                                  # token, 0 = observation; None = all ones (single-turn)
+
+    @property
+    def action_tokens(self) -> int:
+        """Completion tokens the loss covers (the model's own; all of them when loss_mask is None)."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+
+def loss_mask_of(s: TrainSample) -> Tensor:
+    """The sample's loss mask as floats [c], checked against its completion (one clear error)."""
+    c = len(s.completion_ids)
+    if s.loss_mask is None:
+        return torch.ones(c)
+    if len(s.loss_mask) != c or any(m not in (0, 1) for m in s.loss_mask):
+        where = f"sample of group {s.group!r}" + (f" (wave row {s.row})" if s.row >= 0 else "")
+        problem = (f"{len(s.loss_mask)} entries for {c} completion tokens" if len(s.loss_mask) != c
+                   else f"values {sorted(set(s.loss_mask) - {0, 1})} (only 0 and 1 are allowed)")
+        raise ValueError(f"loss_mask of the {where}: {problem}")
+    return torch.tensor(s.loss_mask, dtype=torch.float32)
 
 
 def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
@@ -47,7 +75,8 @@ def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSa
 
 
 def collate(samples: list[TrainSample], pad_id: int):
-    """Right-padded ids [N, L], attention [N, L]; completion-aligned mask/behaviour [N, L-1], adv [N]."""
+    """Right-padded ids [N, L], attention [N, L] (1 on every real token, observations included);
+    completion-aligned loss mask (1 on action tokens only) / behaviour [N, L-1], adv [N]."""
     L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     N = len(samples)
     ids = torch.full((N, L), pad_id, dtype=torch.long)
@@ -58,7 +87,7 @@ def collate(samples: list[TrainSample], pad_id: int):
         p, c = len(s.prompt_ids), len(s.completion_ids)
         ids[b, :p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
         attn[b, :p + c] = 1
-        mask[b, p - 1:p + c - 1] = 1                       # position t predicts token t+1
+        mask[b, p - 1:p + c - 1] = loss_mask_of(s)         # position t predicts token t+1
         behavior[b, p - 1:p + c - 1] = torch.tensor(s.behavior_logprobs)
     adv = torch.tensor([s.advantage or 0.0 for s in samples])   # [N] (gae: token_advantages instead)
     return ids, attn, mask, behavior, adv
@@ -90,7 +119,8 @@ def pack_by_prompt(samples: list[TrainSample], budget: int) -> list[list[TrainSa
 
 def collate_shared(samples: list[TrainSample], pad_id: int):
     """Prompt-shared layout: unique prompts left-padded [U, P] (+ attention), the row -> prompt
-    index [N], completions right-padded [N, C] (+ attention = loss mask), behaviour [N, C], adv [N]."""
+    index [N], completions right-padded [N, C] (+ attention [N, C], 1 on every real token: observations
+    are attended to), the loss mask [N, C] (1 on action tokens only), behaviour [N, C], adv [N]."""
     prompts: dict[tuple[int, ...], int] = {}
     index = [prompts.setdefault(tuple(s.prompt_ids), len(prompts)) for s in samples]
     U, P = len(prompts), max(len(p) for p in prompts)
@@ -102,14 +132,16 @@ def collate_shared(samples: list[TrainSample], pad_id: int):
         prompt_attn[u, P - len(p):] = 1
     comp_ids = torch.full((N, C), pad_id, dtype=torch.long)
     comp_attn = torch.zeros((N, C), dtype=torch.long)
+    mask = torch.zeros((N, C))
     behavior = torch.zeros((N, C))
     for b, s in enumerate(samples):
         c = len(s.completion_ids)
         comp_ids[b, :c] = torch.tensor(s.completion_ids)
         comp_attn[b, :c] = 1
+        mask[b, :c] = loss_mask_of(s)
         behavior[b, :c] = torch.tensor(s.behavior_logprobs)
     adv = torch.tensor([s.advantage or 0.0 for s in samples])                # [N]
-    return prompt_ids, prompt_attn, torch.tensor(index), comp_ids, comp_attn, behavior, adv
+    return prompt_ids, prompt_attn, torch.tensor(index), comp_ids, comp_attn, mask, behavior, adv
 
 
 def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int) -> Tensor:

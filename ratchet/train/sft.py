@@ -3,40 +3,76 @@
 RL cannot discover a program shape the policy never produces, so the embedded model first
 sees reference solutions for part of the training tasks (`ModelConfig.sft_fraction`).
 The loss covers completion tokens (and EOS) only.
+
+Revision demonstrations (multi-turn episodes) have the layout of an episode: after the prompt,
+segments that alternate answer, observation, answer, ...:
+
+    (prompt, [(wrong_attempt, False), (observation, False), (reference, True)])
+    -> <bos> prompt | wrong <eos> | observation | reference <eos>     loss on "reference <eos>" only
+
+Every answer ends with EOS, as a sampled answer does in an episode; the loss covers the trainable
+answers and their EOS; an untrainable answer (a wrong attempt: context, not a target) and every
+observation are context only. `demo_sequence` gives a demo's ids and loss mask (the
+`TrainSample.loss_mask` convention: 1 = trained).
 """
 
 from __future__ import annotations
 
 import random
+from typing import Sequence, Union
 
 import torch
 
 from ratchet.config import ModelConfig
 
+Segments = Sequence[tuple[str, bool]]
+Demo = tuple[str, Union[str, Segments]]
+"""(prompt, completion) or (prompt, [(text, trainable), ...]): answers and observations alternating."""
 
-def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_size: int, lr: float,
+
+def demo_sequence(tokenizer, demo: Demo, where: str = "demo") -> tuple[list[int], list[int]]:
+    """One demonstration -> (ids: <bos> + prompt + segments, each answer + <eos>; loss mask, 1 on the
+    tokens trained on: the trainable answers and their EOS). A (prompt, completion) pair is the
+    one-answer case. Raises ValueError naming `where` for a demo that is not of that shape."""
+    prompt, rest = demo
+    segments = [(rest, True)] if isinstance(rest, str) else list(rest)
+    if not isinstance(prompt, str) or not segments or len(segments) % 2 == 0:
+        raise ValueError(f"{where}: expected (prompt, completion) or (prompt, [(answer, trainable), (observation, "
+                         f"False), ..., (answer, trainable)]): an odd number of segments, answers and observations "
+                         f"alternating; got {len(segments)} segment(s)")
+    ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for k, seg in enumerate(segments):
+        if not (isinstance(seg, (tuple, list)) and len(seg) == 2 and isinstance(seg[0], str)
+                and isinstance(seg[1], bool)):
+            raise ValueError(f"{where}: segment {k} is {seg!r}, not (text, trainable)")
+        text, trainable = seg
+        answer = k % 2 == 0
+        if not answer and trainable:
+            raise ValueError(f"{where}: segment {k} is an observation (segments alternate answer, observation, "
+                             f"answer, ...) and cannot be trainable: the model reads it, it does not write it")
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if answer else [])
+        ids += tokens
+        mask += [int(trainable)] * len(tokens)
+    if not any(mask):
+        raise ValueError(f"{where}: no trainable answer (nothing to learn from)")
+    return ids, mask
+
+
+def sft(model, tokenizer, examples: Sequence[Demo], steps: int, batch_size: int, lr: float,
         seed: int = 0, log=None) -> list[float]:
-    """Train on (prompt, completion) pairs for `steps` steps; returns the loss per step."""
+    """Train on demonstrations for `steps` steps; returns the loss per step. An example is a (prompt,
+    completion) pair or a revision demo (prompt, [(text, trainable), ...]) (see `demo_sequence`)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
-    prompts = tokenizer([p for p, _ in examples], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([c for _, c in examples], add_special_tokens=False)["input_ids"]
-    seqs = [([bos] + p, c + [eos]) for p, c in zip(prompts, completions)]
+    pad = tokenizer.pad_token_id
+    seqs = [demo_sequence(tokenizer, ex, where=f"sft example {i}") for i, ex in enumerate(examples)]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * max(0.05, 1 - s / max(steps, 1)))
     model.train()
     losses = []
     for step in range(steps):
-        batch = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
-        T = max(len(p) + len(c) for p, c in batch)
-        ids = torch.full((batch_size, T), pad, dtype=torch.long)
-        labels = torch.full((batch_size, T), -100, dtype=torch.long)
-        attn = torch.zeros((batch_size, T), dtype=torch.long)
-        for b, (p, c) in enumerate(batch):
-            ids[b, :len(p) + len(c)] = torch.tensor(p + c)
-            labels[b, len(p):len(p) + len(c)] = torch.tensor(c)
-            attn[b, :len(p) + len(c)] = 1
+        ids, attn, labels = sft_batch([seqs[rng.randrange(len(seqs))] for _ in range(batch_size)], pad)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -50,6 +86,20 @@ def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_siz
     return losses
 
 
+def sft_batch(seqs: list[tuple[list[int], list[int]]], pad: int):
+    """(ids, loss mask) sequences -> right-padded ids, attention, labels [B, T] (-100 where not trained)."""
+    T = max(len(ids) for ids, _ in seqs)
+    ids_t = torch.full((len(seqs), T), pad, dtype=torch.long)
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, (ids, mask) in enumerate(seqs):
+        row = torch.tensor(ids)
+        ids_t[b, :len(ids)] = row
+        labels[b, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), row, -100)
+        attn[b, :len(ids)] = 1
+    return ids_t, attn, labels
+
+
 def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str]]:
     """(prompt, reference) for a `fraction` of the tasks, drawn alike from every difficulty,
     so the base policy has seen every output shape (RL does not discover shapes it never
@@ -59,15 +109,21 @@ def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str
             if rng.random() < fraction and s.reference_solution is not None]
 
 
-def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
+def warm_start(cfg: ModelConfig, specs, out_dir, log=None, revisions: Sequence[Demo] | None = None):
     """Build the embedded tiny model for `specs` (tokenizer, weights) and SFT it; save it in
-    Hugging Face layout under `out_dir`. Returns the SFT losses."""
+    Hugging Face layout under `out_dir`. Returns the SFT losses. `revisions`: revision demos
+    (prompt, [(wrong, False), (observation, False), (fix, True)]) mixed into the demonstrations;
+    their text joins the tokenizer's corpus, so that observations tokenize as compactly as code."""
     from ratchet.model import build_model, build_tokenizer, save_policy
 
+    revisions = list(revisions or [])
     corpus = [s.prompt + (s.reference_solution or "") for s in specs]
+    corpus += [rest if isinstance(rest, str) else "".join(str(seg[0]) for seg in rest) for _, rest in revisions]
     tokenizer = build_tokenizer(corpus, cfg.vocab_size)
+    for i, demo in enumerate(revisions):   # a malformed demo is named here, not as an sft example index
+        demo_sequence(tokenizer, demo, where=f"revision demo {i}")
     model = build_model(cfg, tokenizer)
-    demos = demonstrations(specs, cfg.sft_fraction, cfg.seed)
+    demos = demonstrations(specs, cfg.sft_fraction, cfg.seed) + revisions
     losses = sft(model, tokenizer, demos, cfg.sft_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed, log=log)
     for i, phase in enumerate(cfg.context_phases):
         losses += extend_context(model, tokenizer, phase, demos, cfg, seed=cfg.seed + i + 1, log=log)
@@ -75,7 +131,7 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None):
     return losses
 
 
-def extend_context(model, tokenizer, phase, demos: list[tuple[str, str]], cfg: ModelConfig, seed: int = 0,
+def extend_context(model, tokenizer, phase, demos: Sequence[Demo], cfg: ModelConfig, seed: int = 0,
                    log=None) -> list[float]:
     """One context phase (`ModelConfig.context_phases`): set the model's context to phase.seq_len
     with its RoPE scaling, then SFT on needle-in-a-haystack retrieval sequences up to that length

@@ -143,6 +143,19 @@ def test_tokens_beyond_context():
     assert "tokens_within_context" not in gate(clean_wave(), max_tokens=None).checks
 
 
+def test_loss_mask_that_does_not_fit_its_completion():
+    """Multi-turn rows carry a 0/1 mask per completion token (6 here); a mask of another length, with
+    another value, or with no action token at all would break or void training: stopped at the gate."""
+    ok = with_rows({1: {"loss_mask": [1, 1, 0, 0, 1, 1]}})
+    assert gate(ok).success, gate(ok).to_markdown()
+    report = gate(with_rows({1: {"loss_mask": [1, 1, 0, 0, 1, 1]}, 3: {"loss_mask": [1, 0, 1]},
+                             5: {"loss_mask": [1, 0, 2, 0, 1, 1]}, 6: {"loss_mask": [0] * 6}}))
+    assert failed_checks(report) == {"loss_mask_fits"}
+    (f,) = report.failures
+    assert (f.column, f.unexpected_count) == ("loss_mask_fits", 3)
+    assert sorted(e["row"] for e in f.examples) == [3, 5, 6]
+
+
 @pytest.mark.parametrize(
     "mutate, check, column",
     [

@@ -22,12 +22,17 @@ from ratchet.data import (
 )
 from tests.data.waves import clean_rows, spec, traj_row
 
-MULTI_TURN = [
-    {"role": "system", "content": "You write Python."},
-    {"role": "user", "content": "Write f."},
-    {"role": "assistant", "content": "def f(): return 0"},
-    {"role": "tool", "content": "1 of 4 tests passed"},
-    {"role": "assistant", "content": "def f(): return 1"},
+FIRST_METRICS = {"test_pass_rate": 0.25, "tests_passed": 1, "tests_total": 4, "syntax_ok": True,
+                 "execution_time_ms": 3.0, "peak_memory_mb": 9.0, "timed_out": False, "format_ok": True,
+                 "output_bytes": 0, "security_flags": [], "exit_code": 1}
+FIRST_FEEDBACK = {"exit_code": 1, "killed_by": None, "timed_out": False, "stdout_tail": "", "stderr_tail": "",
+                  "failed_tests": [{"name": "test_f", "detail": "expected 1, got 0"}]}
+MULTI_TURN = [  # answer, its verdict and the observation read before the next answer; the last turn observes nothing
+    {"turn": 0, "action": "def f(): return 0", "observation": "1 of 4 tests passed: test_f expected 1, got 0",
+     "action_tokens": 3, "observation_tokens": 2, "metrics": FIRST_METRICS, "feedback": FIRST_FEEDBACK,
+     "passed": False, "reward": 0.25, "env_error": False},
+    {"turn": 1, "action": "def f(): return 1", "observation": None, "action_tokens": 1, "observation_tokens": None,
+     "metrics": None, "feedback": None, "passed": None, "reward": None, "env_error": None},
 ]
 
 
@@ -41,7 +46,8 @@ def test_trajectories_frame_has_the_schema():
 
 def test_parquet_roundtrip_keeps_types_and_turns(tmp_path):
     rows = clean_rows(groups=2)
-    rows[0] = {**rows[0], "turns": MULTI_TURN, "completion": "def f(): return 1", "advantage": 0.75}
+    rows[0] = {**rows[0], "turns": MULTI_TURN, "completion": "def f(): return 1", "advantage": 0.75,
+               "loss_mask": [1, 1, 1, 0, 0, 1]}  # a1 (3 tokens) + o1 (2) + a2 (1) = completion_tokens 6
     rows[1] = {**rows[1], "metrics": {**rows[1]["metrics"], "security_flags": ["network", "fork"]}}
     rows[2] = traj_row(0, 2, None, env_error=True, env_error_kind="sandbox_start")
     df = trajectories_frame(rows)
@@ -50,7 +56,9 @@ def test_parquet_roundtrip_keeps_types_and_turns(tmp_path):
     back = pl.read_parquet(path)
     assert back.schema == TRAJECTORY_SCHEMA
     assert back.equals(df)
-    assert back["turns"][0].to_list() == MULTI_TURN  # every turn kept, in order
+    assert back["turns"][0].to_list() == MULTI_TURN  # every turn kept, in order, with its verdict
+    assert back["loss_mask"].dtype == pl.List(pl.Int8)
+    assert back["loss_mask"][0].to_list() == [1, 1, 1, 0, 0, 1] and back["loss_mask"][1] is None  # null: all ones
     assert back["metrics"][1]["security_flags"] == ["network", "fork"]
     assert back.row(2, named=True)["metrics"] is None and back.row(2, named=True)["env_error_kind"] == "sandbox_start"
     assert back["behavior_logprobs"][0].to_list() == [-0.5, -0.25, -1.0, -0.125, -2.0, -0.0625]  # exact in f32
@@ -62,8 +70,11 @@ def test_defaults_for_single_turn_and_int_group_ids():
     row.pop("advantage")
     df = trajectories_frame([row])
     assert df["group_id"][0] == "7"
-    assert df["turns"][0].to_list() == [{"role": "user", "content": row["prompt"]},
-                                        {"role": "assistant", "content": row["completion"]}]
+    assert df["turns"][0].to_list() == [{"turn": 0, "action": row["completion"], "observation": None,
+                                         "action_tokens": row["completion_tokens"], "observation_tokens": None,
+                                         "metrics": None, "feedback": None, "passed": None, "reward": None,
+                                         "env_error": None}]
+    assert df["loss_mask"][0] is None
     assert df["advantage"][0] is None
 
 
@@ -77,7 +88,12 @@ def test_defaults_for_single_turn_and_int_group_ids():
         ({"task_id": None}, "row 3: column 'task_id' is required"),
         ({"completion_text": "x"}, "row 3: unknown column(s) ['completion_text']"),
         ({"metrics": {"test_passrate": 1.0}}, "row 3: column 'metrics' has unknown field(s) ['test_passrate']"),
-        ({"turns": [{"role": "user", "text": "x"}]}, "row 3: column 'turns' has unknown field(s) ['text']"),
+        ({"turns": [{"role": "user", "content": "x"}]}, "row 3: column 'turns' (turns[0]) has unknown field(s) ['content', 'role']"),
+        ({"turns": [{"turn": 0, "metrics": {"passrate": 1.0}}]},
+         "row 3: column 'turns' (turns[0].metrics) has unknown field(s) ['passrate']"),
+        ({"turns": [{"turn": 0, "feedback": {"failed_tests": [{"name": "t", "why": "x"}]}}]},
+         "row 3: column 'turns' (turns[0].feedback.failed_tests[0]) has unknown field(s) ['why']"),
+        ({"loss_mask": [1, 0, 300]}, "row 3: column 'loss_mask' expects List(Int8)"),
     ],
 )
 def test_bad_rows_are_named(change, message):

@@ -102,6 +102,22 @@ def test_outcome_to_token_rewards_puts_reward_on_last_valid_token():
     close(out, [[0.0, 1.0, 0.0], [0.0, 0.0, 2.0], [0.0, 0.0, 0.0]])
 
 
+def test_gae_on_a_multi_turn_episode_steps_over_the_observation():
+    """a1 (2 tokens) + o1 (2 observation tokens, mask 0) + a2 (1 token), outcome reward 1 on the last
+    action token. The observation is the environment's transition: the recursion goes from a1's last
+    token straight to a2's first, whose V has read the observation; no discount over its tokens."""
+    mask = torch.tensor([[1, 1, 0, 0, 1]])
+    values = torch.tensor([[0.2, 0.4, 9.0, 9.0, 0.5]])       # V on observation positions is never used
+    rewards = outcome_to_token_rewards(torch.tensor([1.0]), mask)
+    close(rewards, [[0.0, 0.0, 0.0, 0.0, 1.0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    # t4: delta = 1 - 0.5 = 0.5, A = 0.5
+    # t1: delta = 0 + 0.9 * 0.5 - 0.4 = 0.05, A = 0.05 + 0.45 * 0.5 = 0.275
+    # t0: delta = 0.9 * 0.4 - 0.2 = 0.16, A = 0.16 + 0.45 * 0.275 = 0.28375
+    close(adv, [[0.28375, 0.275, 0.0, 0.0, 0.5]])
+    close(ret, [[0.48375, 0.675, 0.0, 0.0, 1.0]])
+
+
 def test_masked_whiten_by_hand():
     # valid [1, 2, 3]: mean 2, unbiased var 1 -> [-1, 0, 1]; padding stays 0
     out = masked_whiten(torch.tensor([[1.0, 2.0], [3.0, 100.0]]), torch.tensor([[1, 1], [1, 0]]))

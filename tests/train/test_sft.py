@@ -1,0 +1,98 @@
+"""SFT warm start with revision demonstrations: the layout of an episode, the loss on the fix only.
+
+    pytest tests/train/test_sft.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from envs.registry import get_family
+from ratchet.config import ModelConfig
+from ratchet.model import load_policy
+from ratchet.train.sft import demo_sequence, sft, sft_batch, warm_start
+from tests.train import tiny
+
+PROMPT = "# add 3, then negate it\ndef f(x):\n"
+WRONG = "    x = x + 4\n    return x\n"
+OBSERVATION = "1 of 3 tests passed: f(1) expected -4, got 5\ndef f(x):\n"
+FIX = "    x = x + 3\n    x = -x\n    return x\n"
+
+
+def toks(text: str) -> list[int]:
+    return tiny.tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_pair_is_the_single_turn_layout():
+    tok = tiny.tokenizer()
+    ids, mask = demo_sequence(tok, (PROMPT, FIX))
+    assert ids == [tok.bos_token_id] + toks(PROMPT) + toks(FIX) + [tok.eos_token_id]
+    assert mask == [0] * (1 + len(toks(PROMPT))) + [1] * (len(toks(FIX)) + 1)
+
+
+def test_a_revision_demo_has_the_episode_layout_and_trains_on_the_fix_only():
+    """<bos> prompt | wrong <eos> | observation | fix <eos>: the wrong attempt ends with EOS like a
+    sampled answer, and it, the observation and the prompt are context; the fix and its EOS are trained."""
+    tok = tiny.tokenizer()
+    eos = tok.eos_token_id
+    ids, mask = demo_sequence(tok, (PROMPT, [(WRONG, False), (OBSERVATION, False), (FIX, True)]))
+    context = [tok.bos_token_id] + toks(PROMPT) + toks(WRONG) + [eos] + toks(OBSERVATION)
+    assert ids == context + toks(FIX) + [eos]
+    assert mask == [0] * len(context) + [1] * (len(toks(FIX)) + 1)
+    # a trainable answer followed by an observation is trained with its EOS (an episode's answer ends there)
+    ids, mask = demo_sequence(tok, (PROMPT, [(WRONG, True), (OBSERVATION, False), (FIX, True)]))
+    head = 1 + len(toks(PROMPT))
+    assert mask == [0] * head + [1] * (len(toks(WRONG)) + 1) + [0] * len(toks(OBSERVATION)) + [1] * (len(toks(FIX)) + 1)
+    assert ids[head + len(toks(WRONG))] == eos
+
+
+@pytest.mark.parametrize("segments, message", [
+    ([(WRONG, False), (OBSERVATION, False)], "an odd number of segments"),
+    ([(WRONG, False), (OBSERVATION, True), (FIX, True)], "segment 1 is an observation"),
+    ([(WRONG, False), (OBSERVATION, False), (FIX, False)], "no trainable answer"),
+    ([(WRONG, "yes")], r"segment 0 is \("),
+    ([], "got 0 segment"),
+])
+def test_a_malformed_demo_is_named(segments, message):
+    with pytest.raises(ValueError, match=f"revision demo 3: .*{message}"):
+        demo_sequence(tiny.tokenizer(), (PROMPT, segments), where="revision demo 3")
+
+
+def test_sft_loss_is_the_cross_entropy_of_the_trainable_tokens_only():
+    """One SFT step's reported loss (before its update) equals the mean cross-entropy over the fix and
+    its EOS, computed by hand from the same model's forward of the whole sequence."""
+    tok = tiny.tokenizer()
+    demo = (PROMPT, [(WRONG, False), (OBSERVATION, False), (FIX, True)])
+    ids, mask = demo_sequence(tok, demo)
+    with torch.no_grad():
+        logits = tiny.model()(torch.tensor([ids])).logits[0]                         # [T, V]
+    nll = -torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]  # [T-1]
+    trained = torch.tensor(mask[1:], dtype=torch.bool)                                # token t predicted at t - 1
+    by_hand = float(nll[trained].mean())
+    everything_after_prompt = float(nll[1 + len(toks(PROMPT)) - 1:].mean())
+    losses = sft(tiny.model(), tok, [demo], steps=1, batch_size=1, lr=1e-3)
+    assert losses[0] == pytest.approx(by_hand, rel=1e-5)
+    assert abs(by_hand - everything_after_prompt) > 1e-3                              # the mask matters here
+
+    _, attn, labels = sft_batch([(ids, mask), demo_sequence(tok, (PROMPT, FIX))], tok.pad_token_id)
+    assert attn[0].tolist() == [1] * len(ids)                                         # the context is attended to
+    assert (labels[0] != -100).tolist() == [bool(m) for m in mask]
+    assert (labels[attn == 0] == -100).all()
+
+
+def test_warm_start_mixes_revision_demos_in(tmp_path):
+    fam = get_family("python_functions")
+    specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
+    s = specs[0]
+    wrong = s.reference_solution.replace("return", "return 1 +", 1)
+    revisions = [(s.prompt, [(wrong, False), ("FAILED test_0: expected 3, got 4\n", False), (s.reference_solution, True)])]
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=256, max_seq_len=256, sft_steps=2,
+                      sft_batch=4)
+    losses = warm_start(cfg, specs, tmp_path, revisions=revisions)
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)
+    model, tok = load_policy(tmp_path)
+    ids, mask = demo_sequence(tok, revisions[0])                      # the saved tokenizer lays the demo out
+    assert sum(mask) == len(tok(s.reference_solution, add_special_tokens=False)["input_ids"]) + 1
+    with pytest.raises(ValueError, match="revision demo 1: segment 1 is an observation"):
+        warm_start(cfg, specs, tmp_path / "bad", revisions=revisions + [(s.prompt, [(wrong, False), ("x", True), ("y", True)])])
