@@ -206,6 +206,13 @@ def revision_demos(specs: Sequence[TaskSpec], fraction: float, verify: VerifyCon
     `tokenizer` when both are given, as an episode's), and the reference as the fix. The wrong attempt
     is context, never a target. A task none of whose first `max_mutants` mutants fails (or whose runs
     are env_errors) gives no demo, so there may be fewer than asked."""
+    attempts = wrong_attempts(specs, fraction, verify, seed, max_mutants=max_mutants, executor=executor)
+    return demos_from(attempts, tokenizer, observation_tokens)
+
+
+def wrong_attempts(specs: Sequence[TaskSpec], fraction: float, verify: VerifyConfig, seed: int, *,
+                   max_mutants: int = 4, executor=None) -> list[tuple[TaskSpec, str, Verification]]:
+    """The sandbox runs behind `revision_demos`: (spec, wrong attempt, its verdict) per chosen task."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"revision_demos: fraction must be in [0, 1], got {fraction}")
     with_ref = [s for s in specs if s.reference_solution is not None]
@@ -215,11 +222,18 @@ def revision_demos(specs: Sequence[TaskSpec], fraction: float, verify: VerifyCon
     results = verify_many(candidates, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
                           feedback_bytes=verify.feedback_bytes,
                           executor=executor if executor is not None else executor_for(verify))
-    demos, done = [], set()
+    out, done = [], set()
     for (spec, wrong), v in zip(candidates, results):
         if spec.task_id in done or v.env_error or v.passed:
             continue
         done.add(spec.task_id)
-        obs = render_observation(spec, v, tokenizer, observation_tokens)
-        demos.append((spec.prompt, [(wrong, False), (obs, False), (spec.reference_solution, True)]))
-    return demos
+        out.append((spec, wrong, v))
+    return out
+
+
+def demos_from(attempts: Sequence[tuple[TaskSpec, str, Verification]], tokenizer=None,
+               observation_tokens: int | None = None) -> list[tuple[str, list[tuple[str, bool]]]]:
+    """Revision demos from `wrong_attempts`, their observations cut to the budget when a tokenizer is
+    given (the warm start renders them uncut for its tokenizer's corpus, then cut with that tokenizer)."""
+    return [(spec.prompt, [(wrong, False), (render_observation(spec, v, tokenizer, observation_tokens), False),
+                           (spec.reference_solution, True)]) for spec, wrong, v in attempts]

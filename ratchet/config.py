@@ -241,9 +241,9 @@ class AgentConfig(Frozen):
         0.0, ge=0, le=1, description="Per-turn shaping: subtracted from the trajectory's reward (the final answer's) "
         "for each turn after the first, so that solving sooner is worth more. 0: the final state's reward alone.")
     revision_demos: float = Field(
-        0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the demonstrated tasks that also get "
-        "a revision demonstration (a wrong attempt, the sandbox's real feedback on it, the fix), so that the model "
-        "has seen the shape of a revision before RL.")
+        0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
+        "reference solution) that get a revision demonstration (a wrong attempt, the sandbox's real feedback on it, "
+        "the fix), so that the model has seen the shape of a revision before RL.")
 
 
 class RLConfig(Frozen):

@@ -43,7 +43,14 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
             from ratchet.train.sft import warm_start
 
             specs = [s for r in train for s in load_specs(r)]
-            write = lambda d: warm_start(cfg.model, specs, d, log=logger.info)  # noqa: E731
+            revisions = None
+            if cfg.agent.revision_demos > 0:   # a wrong attempt, its real feedback, the fix: the shape of a revision
+                from ratchet.agent import demos_from, wrong_attempts
+
+                attempts = wrong_attempts(specs, cfg.agent.revision_demos, cfg.verify, cfg.model.seed)
+                revisions = lambda tok: demos_from(attempts, tok, cfg.agent.observation_tokens)  # noqa: E731
+                logger.info("warm start: %d revision demos", len(attempts))
+            write = lambda d: warm_start(cfg.model, specs, d, log=logger.info, revisions=revisions)  # noqa: E731
         ref = save_checkpoint(store, run_id, 0, write)
     logger.info("policy v0 of run %s at %s", run_id, ref.uri)
     return sessions.PolicyRef(run_id=run_id, version=0, checkpoint=ref, checkpoint_version=0)

@@ -19,7 +19,7 @@ observation are context only. `demo_sequence` gives a demo's ids and loss mask (
 from __future__ import annotations
 
 import random
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -109,17 +109,21 @@ def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str
             if rng.random() < fraction and s.reference_solution is not None]
 
 
-def warm_start(cfg: ModelConfig, specs, out_dir, log=None, revisions: Sequence[Demo] | None = None):
+def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
+               revisions: Sequence[Demo] | Callable[[object], Sequence[Demo]] | None = None):
     """Build the embedded tiny model for `specs` (tokenizer, weights) and SFT it; save it in
     Hugging Face layout under `out_dir`. Returns the SFT losses. `revisions`: revision demos
     (prompt, [(wrong, False), (observation, False), (fix, True)]) mixed into the demonstrations;
-    their text joins the tokenizer's corpus, so that observations tokenize as compactly as code."""
+    their text joins the tokenizer's corpus, so that observations tokenize as compactly as code.
+    A callable `revisions(tokenizer)` gives them for the tokenizer built here (None: for its corpus),
+    so that their observations are cut to a token budget as an episode's are (`ratchet.agent.demos_from`)."""
     from ratchet.model import build_model, build_tokenizer, save_policy
 
-    revisions = list(revisions or [])
+    demos_for = revisions if callable(revisions) else (lambda tokenizer: revisions or [])
     corpus = [s.prompt + (s.reference_solution or "") for s in specs]
-    corpus += [rest if isinstance(rest, str) else "".join(str(seg[0]) for seg in rest) for _, rest in revisions]
+    corpus += [rest if isinstance(rest, str) else "".join(str(seg[0]) for seg in rest) for _, rest in demos_for(None)]
     tokenizer = build_tokenizer(corpus, cfg.vocab_size)
+    revisions = list(demos_for(tokenizer))
     for i, demo in enumerate(revisions):   # a malformed demo is named here, not as an sft example index
         demo_sequence(tokenizer, demo, where=f"revision demo {i}")
     model = build_model(cfg, tokenizer)

@@ -13,14 +13,15 @@ def run(prefect_harness, tmp_path_factory):
     from flows.nightly import nightly
 
     store_uri = str(tmp_path_factory.mktemp("store"))
-    cfg = tiny(store_uri, run_id="mt", steps=2,
-               agent=AgentConfig(turns=3, observation_tokens=24, stop_on_pass=True, revision_demos=0.5))
+    cfg = tiny(store_uri, run_id="mt", agent=AgentConfig(turns=3, observation_tokens=24, stop_on_pass=True,
+                                                        revision_demos=0.5)).model_copy(update={"steps": 2})
     return store_uri, cfg, nightly(cfg)
 
 
 def test_the_waves_hold_episodes_turn_by_turn(run):
     store_uri, cfg, summary = run
     store = open_store(store_uri)
+    revised = 0
     for step in range(2):
         wave = store.read_table(f"runs/mt/waves/{step:06d}/trained.parquet")
         assert wave.height == 16
@@ -41,6 +42,8 @@ def test_the_waves_hold_episodes_turn_by_turn(run):
             assert all(lp == 0.0 for lp, m in zip(row["behavior_logprobs"], mask) if m == 0)
             assert all(lp < 0.0 for lp, m in zip(row["behavior_logprobs"], mask) if m == 1)
             assert row["prompt_tokens"] + row["completion_tokens"] <= cfg.model.max_seq_len
+            revised += len(turns) > 1
+    assert revised > 0, "no episode went past its first answer"
 
 
 def test_wave_and_eval_figures_by_turn(run):
