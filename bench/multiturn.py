@@ -30,12 +30,18 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def note(what: str, since: float) -> None:
+    print(f"bench.multiturn: {what} in {time.perf_counter() - since:.1f} s (load {os.getloadavg()[0]:.1f})",
+          file=sys.stderr, flush=True)
 
 
 def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str | None = None):
@@ -62,9 +68,13 @@ def start(store: Path, args) -> tuple[list, list, str]:
     from tasks.train import bootstrap_policy
 
     cfg = config(str(store), "bench-start", args, seed=0, turns=args.turns)
+    t0 = time.perf_counter()
     audits = [audit_envs.fn(produce_envs.fn(f, cfg.envs, cfg.store), cfg.audit, cfg.verify, cfg.store)
               for f in cfg.envs.families]
+    note("tasks produced and audited", t0)
+    t0 = time.perf_counter()
     bootstrap_policy.fn("bench-start", cfg, [a.passed for a in audits])
+    note("warm start (revision demos, SFT)", t0)
     return [a.passed for a in audits], [a.heldout_passed for a in audits], str(store / "runs/bench-start/checkpoints/000000")
 
 
@@ -89,9 +99,12 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
         rewards.append(wave_stats["reward_mean"])
         step += 1
     wall = time.perf_counter() - t0
+    note(f"{run_id}: {step} waves, {sampled} sampled tokens", t0)
+    t0 = time.perf_counter()
     policy = checkpoint_policy.fn(policy, cfg)
     final = evaluate.fn(policy, heldout, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})}))
     by_turn = final["turns"]
+    note(f"{run_id}: held-out evaluation, {args.turns} turns", t0)
     return {"pass_turn1": by_turn["pass_after_turn"][0], "pass_last": by_turn["pass_after_turn"][-1],
             "fix_rate": by_turn["fix_rate"], "mean_turns": by_turn["mean_turns"], "waves": step,
             "sampled_tokens": sampled, "train_s": round(wall, 1), "reward_first": round(rewards[0], 4),
@@ -115,6 +128,8 @@ def main() -> None:
     from prefect.logging import disable_run_logger
     from prefect.testing.utilities import prefect_test_harness
 
+    import tasks.audit, tasks.evaluate, tasks.gate, tasks.produce, tasks.rollout, tasks.score, tasks.train  # noqa: E401,F401
+    # (imported before the run loggers are disabled: importing them sets Prefect's logging up again)
     per_seed = []
     with tempfile.TemporaryDirectory(prefix="ratchet-bench-multiturn-") as tmp, \
             prefect_test_harness(server_startup_timeout=180), disable_run_logger():
