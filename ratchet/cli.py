@@ -32,7 +32,7 @@ import typer
 from pydantic import ValidationError
 
 from ratchet.cli_errors import OneLineErrors, fail, message, read_text
-from ratchet.config import ModelConfig, NightlyConfig, StoreConfig, describe
+from ratchet.config import AgentConfig, ModelConfig, NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
 from ratchet.eval_cli import app as eval_app
@@ -84,9 +84,11 @@ def run(
                                               "(.jsonl, .jsonl.gz, .parquet; repeatable): adds to envs.sources."),
     model: Optional[str] = typer.Option(None, "--model", metavar="DIR",
                                         help=f"{describe(ModelConfig, 'path')} Sets model.path."),
+    turns: Optional[int] = typer.Option(None, "--turns", metavar="K",
+                                        help=f"{describe(AgentConfig, 'turns')} Sets agent.turns. [default: 1]"),
 ) -> None:
     """Run the nightly training cycle now. The last line printed is one JSON object."""
-    cfg = _settings(config, steps, run_id, store, model)
+    cfg = _settings(config, steps, run_id, store, model, turns)
     cfg = _with_sources(cfg, tasks or [], config)
     from ratchet.preflight import SettingsError, require
 
@@ -135,7 +137,7 @@ def run(
 
 
 def _settings(config: Path | None, steps: int | None, run_id: str | None, store: str | None,
-              model: str | None = None) -> NightlyConfig:
+              model: str | None = None, turns: int | None = None) -> NightlyConfig:
     """The run's NightlyConfig from --config and the options; fail (exit 2) naming each bad field."""
     fields = {}
     if config is not None:
@@ -151,9 +153,10 @@ def _settings(config: Path | None, steps: int | None, run_id: str | None, store:
             fields[name] = value
     if store is not None:
         fields["store"] = {"uri": store}
-    if model is not None:
-        section = fields.get("model")
-        fields["model"] = {**(section if isinstance(section, dict) else {}), "path": model}
+    for section_name, key, value in (("model", "path", model), ("agent", "turns", turns)):
+        if value is not None:
+            section = fields.get(section_name)
+            fields[section_name] = {**(section if isinstance(section, dict) else {}), key: value}
     try:
         return NightlyConfig.model_validate(fields)
     except ValidationError as e:

@@ -166,7 +166,15 @@ def render_row(row: dict, with_prompt: bool = True, trained: bool = False) -> st
     lines = [head, verdict, _metrics_line(row.get("metrics"))]
     if with_prompt:
         lines += ["prompt:", _indent(row["prompt"])]
-    lines += ["completion:", _indent(row["completion"])]
+    turns = row.get("turns") or []
+    if len(turns) > 1:   # a multi-turn episode: every answer, its verdict and the observation it got
+        for t in turns:
+            verdict = "env_error" if t.get("env_error") else "passed" if t.get("passed") else "failed"
+            lines += [f"turn {t['turn'] + 1} ({verdict}, reward {_num(t.get('reward'))}):", _indent(t["action"])]
+            if t.get("observation") is not None:
+                lines += ["observation:", _indent(t["observation"])]
+    else:
+        lines += ["completion:", _indent(row["completion"])]
     lines += _feedback_lines(row.get("feedback"), recorded="feedback" in row)
     return "\n".join(lines)
 

@@ -57,3 +57,15 @@ def test_wave_and_eval_figures_by_turn(run):
         turns = summary[key]["turns"]
         assert len(turns["pass_after_turn"]) == 3
         assert turns["pass_after_turn"][-1] == pytest.approx(summary[key]["pass_rate"])   # judged by the last answer
+
+
+def test_trace_shows_every_turn(run):
+    from ratchet.trace import render_row
+
+    store_uri, _, _ = run
+    wave = open_store(store_uri).read_table("runs/mt/waves/000000/scored.parquet")
+    row = next(r for r in wave.iter_rows(named=True) if len(r["turns"]) > 1)
+    text = render_row(row)
+    for t in row["turns"]:
+        assert f"turn {t['turn'] + 1} (" in text
+    assert text.count("observation:") == len(row["turns"]) - 1 and row["turns"][0]["observation"].splitlines()[0] in text
