@@ -144,10 +144,54 @@ def test_staleness_is_bounded_per_mode():
         check_staleness(4, 3, async2, step=3)
 
 
-def test_async_on_cpu_gives_each_side_half_the_cores_of_its_own_thread():
+def test_async_on_cpu_splits_the_process_threads_between_the_two_sides():
     before = torch.get_num_threads()
-    with cpu_share(RolloutConfig(mode="async")):
-        assert torch.get_num_threads() == max(1, (__import__("os").cpu_count() or 2) // 2)
-    assert torch.get_num_threads() == before
-    with cpu_share(RolloutConfig()):
-        assert torch.get_num_threads() == before
+    try:
+        torch.set_num_threads(4)
+        with cpu_share(RolloutConfig(mode="async")):
+            assert torch.get_num_threads() == 2
+            with cpu_share(RolloutConfig(mode="async")):        # the other side enters while one is inside
+                assert torch.get_num_threads() == 2
+            assert torch.get_num_threads() == 2                 # one side leaving leaves the other its share
+        assert torch.get_num_threads() == 4                     # the last one out restores the total
+        torch.set_num_threads(1)
+        with cpu_share(RolloutConfig(mode="async")):
+            assert torch.get_num_threads() == 1
+        with cpu_share(RolloutConfig()):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_share_overlapping_threads_restore_the_total():
+    """Two threads whose shares overlap in either order leave the process at its total."""
+    import threading
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        def a():
+            with cpu_share(RolloutConfig(mode="async")):
+                a_in.set()
+                b_in.wait(5)
+            a_out.set()
+
+        def b():
+            a_in.wait(5)
+            with cpu_share(RolloutConfig(mode="async")):
+                b_in.set()
+                a_out.wait(5)
+                seen["b_after_a_left"] = torch.get_num_threads()
+
+        threads = [threading.Thread(target=f) for f in (a, b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert seen["b_after_a_left"] == 2
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
