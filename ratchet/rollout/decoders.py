@@ -100,6 +100,7 @@ class LlamaDecoder:
         self.nmax = int(counts.max())
         slot = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner]
         self.owner, self.flat = owner, owner * self.nmax + slot                   # [b], [b]
+        self.full = len(owner) == len(counts) * self.nmax                         # every group whole: flat == arange
 
     def keep(self, idx: torch.Tensor) -> None:
         """Rows idx (ascending) stay: compact the generated columns in place (no new buffers)."""
@@ -113,12 +114,16 @@ class LlamaDecoder:
     def _by_prompt(self, x: torch.Tensor) -> torch.Tensor:
         """[KVH, b, G, X] rows -> [KVH, U, nmax*G, X], each prompt's live rows stacked (zeros in free slots)."""
         (KVH, b, G, X), U = x.shape, len(self.prompt_bias)
+        if self.full:                                                             # rows already stacked by prompt
+            return x.reshape(KVH, U, self.nmax * G, X)
         grouped = x.new_zeros(KVH, U * self.nmax, G, X).index_copy_(1, self.flat, x)
         return grouped.view(KVH, U, self.nmax * G, X)
 
     def _by_row(self, x: torch.Tensor, G: int) -> torch.Tensor:
         """Inverse of _by_prompt: [KVH, U, nmax*G, X] -> [KVH, b, G, X]."""
         KVH, U, _, X = x.shape
+        if self.full:
+            return x.view(KVH, U * self.nmax, G, X)
         return x.view(KVH, U * self.nmax, G, X).index_select(1, self.flat)
 
     def _attend(self, q, k_prompt, v_prompt, k_gen, v_gen) -> torch.Tensor:
@@ -137,7 +142,7 @@ class LlamaDecoder:
         for i, w in enumerate(self.layers):
             qkv = F.linear(F.rms_norm(x, w.norm1.shape, w.norm1, w.eps), w.qkv, w.qkv_bias)  # [b, (H+2*KVH)*D]
             qk = qkv[:, :(H + KVH) * D].view(b, H + KVH, D)
-            qk = qk * cos + qk.view(b, H + KVH, 2, D // 2).flip(2).view(b, H + KVH, D) * sin  # rotary, q and k at once
+            qk = torch.addcmul(qk * cos, qk.view(b, H + KVH, 2, D // 2).flip(2).view(b, H + KVH, D), sin)  # rotary, q and k at once
             self.gen_k[i][:, :, g] = qk[:, H:].transpose(0, 1)                    # [KVH, b, D]
             self.gen_v[i][:, :, g] = qkv[:, (H + KVH) * D:].view(b, KVH, D).transpose(0, 1)
             q = (qk[:, :H] * self.scaling).view(b, KVH, H // KVH, D).transpose(0, 1)  # [KVH, b, G, D]: head h -> kv head h // G
@@ -146,7 +151,9 @@ class LlamaDecoder:
             gu = F.linear(F.rms_norm(x, w.norm2.shape, w.norm2, w.eps), w.gate_up)  # [b, 2*I]
             x = x + F.linear(F.silu(gu[:, :w.inter]) * gu[:, w.inter:], w.down)
         self.length = g + 1
-        return self.lm_head(self.final_norm(x)).float()                           # [b, V]
+        norm = self.final_norm
+        x = F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return F.linear(x, self.lm_head.weight, self.lm_head.bias).float()        # [b, V]
 
 
 class _Layer:
