@@ -169,6 +169,7 @@ class TorchEngine:
                 rows, tok, next_pos = rows[idx], tok[idx], next_pos[idx]
             logits = decoder.step(tok, next_pos)                                  # [b, V]
             next_pos = next_pos + 1
+        decoder.release()         # its buffers serve the next batch (after an error: simply freed)
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         for r, tok, lp in steps:
