@@ -201,31 +201,29 @@ def check_staleness(behaviour_version: int, version: int, rollout: RolloutConfig
     return staleness
 
 
-_share = {"lock": threading.Lock(), "inside": 0, "total": 0}   # cpu_share's state: torch's thread count is process-wide
+_share = threading.local()     # cpu_share's depth in this thread
 
 
 @contextlib.contextmanager
 def cpu_share(rollout: RolloutConfig, device: torch.device | str = "cpu") -> Iterator[None]:
-    """In async mode on CPU, split the process's torch threads between the sampling and the training
-    thread: while either is inside, each op runs on max(1, T // 2) threads, T the count set before the
-    first one entered; the last one out restores T. So async uses T threads in all (T/2 sampling +
-    T/2 training), as sync uses T for one stage at a time: python -m bench.async compares the two at
-    the same total. torch's setting is one per process, not per Python thread (a thread that sets
-    it sets it for every thread), hence one count of who is inside instead of a save/restore per
-    caller, which raced (one side leaving restored T while the other was still inside).
+    """In async mode on CPU, the calling thread's torch ops run on half its threads while inside:
+    max(1, T // 2), T its count before (threads that never set one inherit the main thread's). The
+    sampling thread and the training thread each take half, so async uses T threads in all, as
+    sync uses T for one stage at a time: python -m bench.async compares the two at the same total.
+    The count is per thread (OpenMP: a thread that sets it keeps its own), so each thread restores
+    its own on leaving, whatever the other does; nested in one thread, the outer share holds.
     Elsewhere (sync, or not on CPU): nothing changes."""
     if rollout.mode != "async" or torch.device(device).type != "cpu":
         yield
         return
-    with _share["lock"]:
-        if _share["inside"] == 0:
-            _share["total"] = torch.get_num_threads()
-            torch.set_num_threads(max(1, _share["total"] // 2))
-        _share["inside"] += 1
+    depth = getattr(_share, "depth", 0)
+    before = torch.get_num_threads()
+    if depth == 0:
+        torch.set_num_threads(max(1, before // 2))
+    _share.depth = depth + 1
     try:
         yield
     finally:
-        with _share["lock"]:
-            _share["inside"] -= 1
-            if _share["inside"] == 0:
-                torch.set_num_threads(_share["total"])
+        _share.depth = depth
+        if depth == 0:
+            torch.set_num_threads(before)
