@@ -17,9 +17,10 @@ the same flow in sync mode: same waves, same start, same config otherwise.
    so a drift of the machine's load hits both modes; the load averages are printed after each run.
 
 Fair threads: both modes run with the same total of torch intra-op threads, `--threads` T (default:
-the machine's cores), set once for the process. Sync runs each stage on T threads; async splits T
-between its two concurrent sides while both run (ratchet.rollout.behaviour.cpu_share: T // 2 for
-the sampling thread and T // 2 for the training thread). What async gains is the overlap of stages
+the machine's cores), set in the main thread before each run (threads that set none inherit it).
+Sync runs each stage on T threads; async splits T between its two concurrent sides
+(ratchet.rollout.behaviour.cpu_share: T // 2 for the sampling thread and T // 2 for the training
+thread). What async gains is the overlap of stages
 (and what T // 2-thread ops save over T-thread ops on a small model), never more threads. Sandboxed
 scoring runs in processes of its own, the same in both modes.
 

@@ -25,7 +25,7 @@ sample, per-op overhead); this decoder removes what it can:
 - on CPU the generated tokens' cache is reused by the next batch of the same shape (`_Workspace`):
   a fresh buffer of tens of MB costs one page fault per 4 KiB on first touch (4-8 us each in this
   VM, ~4,600 per batch at 64 rows x 48 tokens: ~10% of a generate() call), a reused one none.
-Measured (python -m bench.rollout, 2 shared CPU cores): ~1.15-1.2x the tokens/s of HFDecoder
+Measured (python -m bench.rollout, 2 shared CPU cores): ~1.3-1.4x the tokens/s of HFDecoder
 in the same engine. Other architectures use HFDecoder.
 tests/rollout/test_torch_engine.py checks both against a full forward and against each other;
 tests/model/test_hf_models.py checks Qwen2 against HF's forward and `generate`.
