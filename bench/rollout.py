@@ -12,9 +12,10 @@ up to `max_new_tokens`, KV cache on, one batch of B*G sequences, the same EOS an
 The engine gets the B distinct prompts and n=G; `model.generate` gets the B*G left-padded rows
 (each prompt repeated G times), which is how one calls it for a GRPO group. Generated tokens are
 counted up to and including the first EOS on both sides (HF pads finished rows; those pads are
-not counted). Each repeat draws a fresh batch of prompts, runs both sides on it, alternating which
-goes first, so machine noise hits both alike; the figures are medians over repeats after one
-unmeasured warm-up repeat.
+not counted). Both run in this one process at the same torch thread count (`--threads`), under
+`no_grad` for `generate` (as HF sets it; the engine picks `inference_mode` itself). Each repeat
+draws a fresh batch of prompts, runs both sides on it, alternating which goes first, so machine
+noise hits both alike; the figures are medians over repeats after one unmeasured warm-up repeat.
 
 Also measured, same way: the engine with its generic decode (HFDecoder: the model's own forward,
 prompt prefilled once and its cache copied to the samples) instead of the hand-written Llama

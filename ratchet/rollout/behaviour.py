@@ -201,17 +201,29 @@ def check_staleness(behaviour_version: int, version: int, rollout: RolloutConfig
     return staleness
 
 
+_share = threading.local()     # cpu_share's depth in this thread
+
+
 @contextlib.contextmanager
 def cpu_share(rollout: RolloutConfig, device: torch.device | str = "cpu") -> Iterator[None]:
-    """In async mode on CPU, the calling thread's torch ops use half the cores while inside: the
-    sampling thread and the training thread each get their share instead of both spinning on all
-    of them (torch's intra-op thread count is per thread). Elsewhere: nothing changes."""
+    """In async mode on CPU, the calling thread's torch ops run on half its threads while inside:
+    max(1, T // 2), T its count before (threads that never set one inherit the main thread's). The
+    sampling thread and the training thread each take half, so async uses T threads in all, as
+    sync uses T for one stage at a time: python -m bench.async compares the two at the same total.
+    The count is per thread (OpenMP: a thread that sets it keeps its own), so each thread restores
+    its own on leaving, whatever the other does; nested in one thread, the outer share holds.
+    Elsewhere (sync, or not on CPU): nothing changes."""
     if rollout.mode != "async" or torch.device(device).type != "cpu":
         yield
         return
+    depth = getattr(_share, "depth", 0)
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    if depth == 0:
+        torch.set_num_threads(max(1, before // 2))
+    _share.depth = depth + 1
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        _share.depth = depth
+        if depth == 0:
+            torch.set_num_threads(before)

@@ -96,7 +96,7 @@ class TorchEngine:
     def encode_prompts(self, prompts: list[str]) -> list[list[int]]:
         return encode_prompts(self.tokenizer, prompts, self.chat_template)
 
-    @torch.no_grad()
+    @torch.inference_mode()   # no autograd bookkeeping per op (cheaper than no_grad); results leave as lists
     def generate(self, prompts: list[str], n: int = 1, max_new_tokens: int = 48, temperature: float = 1.0,
                  greedy: bool = False, batch_size: int = 128, seed: int | None = None,
                  stop: Sequence[str] | None = None) -> list[Rollout]:
@@ -148,8 +148,9 @@ class TorchEngine:
         rows = torch.arange(B, device=self.device)                                # [b] batch row of each live row
         steps = []                                                                # (rows, tokens, logprobs) per step
         scanner = _StopScanner(self.tokenizer, stop, B) if stop else None
+        scale = 1.0 if greedy else temperature
         for t in range(max_new_tokens):
-            logprobs = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)  # [b, V]
+            logprobs = torch.log_softmax(logits if scale == 1.0 else logits / scale, dim=-1)  # [b, V]
             if greedy:
                 tok = logprobs.argmax(-1)                                         # [b]
             else:
@@ -159,14 +160,16 @@ class TorchEngine:
             if scanner is not None:
                 stopped = scanner.step(rows.tolist(), tok.tolist(), eos)
                 live &= ~torch.tensor(stopped, dtype=torch.bool, device=self.device)
-            if t == max_new_tokens - 1 or not bool(live.any()):
+            n_live = int(live.sum())                                              # the step's one host read
+            if t == max_new_tokens - 1 or n_live == 0:
                 break
-            if not bool(live.all()):  # drop finished rows from the batch and the KV cache
+            if n_live < len(live):    # drop finished rows from the batch and the KV cache
                 idx = live.nonzero().squeeze(1)
                 decoder.keep(idx)
                 rows, tok, next_pos = rows[idx], tok[idx], next_pos[idx]
             logits = decoder.step(tok, next_pos)                                  # [b, V]
             next_pos = next_pos + 1
+        decoder.release()         # its buffers serve the next batch (after an error: simply freed)
         tokens: list[list[int]] = [[] for _ in range(B)]
         logps: list[list[float]] = [[] for _ in range(B)]
         for r, tok, lp in steps:

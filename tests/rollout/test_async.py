@@ -144,10 +144,54 @@ def test_staleness_is_bounded_per_mode():
         check_staleness(4, 3, async2, step=3)
 
 
-def test_async_on_cpu_gives_each_side_half_the_cores_of_its_own_thread():
+def test_async_on_cpu_gives_each_side_half_the_threads_of_its_own_thread():
     before = torch.get_num_threads()
-    with cpu_share(RolloutConfig(mode="async")):
-        assert torch.get_num_threads() == max(1, (__import__("os").cpu_count() or 2) // 2)
-    assert torch.get_num_threads() == before
-    with cpu_share(RolloutConfig()):
-        assert torch.get_num_threads() == before
+    try:
+        torch.set_num_threads(6)
+        with cpu_share(RolloutConfig(mode="async")):
+            assert torch.get_num_threads() == 3
+            with cpu_share(RolloutConfig(mode="async")):        # nested in one thread: the outer share holds
+                assert torch.get_num_threads() == 3
+            assert torch.get_num_threads() == 3
+        assert torch.get_num_threads() == 6
+        torch.set_num_threads(1)
+        with cpu_share(RolloutConfig(mode="async")):
+            assert torch.get_num_threads() == 1
+        with cpu_share(RolloutConfig()):
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_cpu_share_in_two_overlapping_threads_gives_each_half_of_the_total():
+    """The sampler (a worker thread) and the trainer (the flow's thread) overlap, leaving in either
+    order: each runs on T // 2 while inside, whatever the other did, and gets its own T back."""
+    import threading
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(6)                          # the main thread's: what fresh threads inherit
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+        seen = {}
+
+        def a():
+            with cpu_share(RolloutConfig(mode="async")):
+                a_in.set()
+                b_in.wait(5)
+                seen["a_inside"] = torch.get_num_threads()
+            seen["a_after"] = torch.get_num_threads()
+            a_out.set()
+
+        a_thread = threading.Thread(target=a)
+        a_thread.start()
+        a_in.wait(5)
+        with cpu_share(RolloutConfig(mode="async")):     # the main thread enters second, leaves last
+            seen["main_inside"] = torch.get_num_threads()
+            b_in.set()
+            a_out.wait(5)
+            seen["main_after_a_left"] = torch.get_num_threads()
+        a_thread.join(10)
+        assert seen == {"a_inside": 3, "a_after": 6, "main_inside": 3, "main_after_a_left": 3}
+        assert torch.get_num_threads() == 6
+    finally:
+        torch.set_num_threads(before)
