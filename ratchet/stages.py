@@ -143,8 +143,9 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
         env_error_rate=float(frame["env_error"].mean() or 0.0),
         completion_tokens_mean=tokens / frame.height if frame.height else 0.0,
     )
-    if tokens:
-        stats["sampled_entropy"] = -float(frame["behavior_logprobs"].list.sum().sum()) / tokens
+    with_logprobs = frame.filter(pl.col("behavior_logprobs").is_not_null())
+    if sampled := sampled_tokens(with_logprobs):
+        stats["sampled_entropy"] = -float(with_logprobs["behavior_logprobs"].list.sum().sum()) / sampled
     if cfg.agent.turns > 1:
         from ratchet.agent import episode_metrics
 

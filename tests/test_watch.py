@@ -133,7 +133,7 @@ def test_wave_speed_figures():
     frame = trajectories_frame(rows)
     stats = stages.sandbox_stats(frame)
     assert stats == {"sandbox_p50_ms": 6.0, "sandbox_p95_ms": pytest.approx(9.6)}     # of 2, 4, 6, 8, 10
-    assert stages.rollout_stats(frame, 2.0) == {"rollout_tokens_per_s": 40.0, "rollout_s": 2.0}
+    assert stages.rollout_stats(frame, 2.0) == {"rollout_tokens_per_s": 40.0, "rollout_s": 2.0, "sampled_tokens": 80}
     assert stages.staleness(frame, 4) == 1 and stages.staleness(frame.filter(pl.col("policy_version") == 4), 4) == 0
 
 

@@ -11,6 +11,7 @@ from envs.families.python_functions import Config, generate
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, RewardLogic, RewardRule, RunCommand, TaskSpec
 from ratchet.config import RewardConfig
 from ratchet.reward import score
+from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.guards import hidden_test_leaks, special_cased
 from ratchet.verify.commands import pytest_counts
@@ -21,6 +22,8 @@ CFG = RewardConfig()
 NO_PENALTY = RewardConfig(security_penalty=None)
 HIDDEN = tuple(CallTest(args=json.dumps([x]), expected=json.dumps(x + 1)) for x in (7, -3, 10, 0, 42, -8))
 ADD_ONE = "def f(x):\n    return x + 1\n"
+
+LIMITS = Limits(wall_s=60, cpu_s=30, memory_mb=1024)      # generous: a loaded 2-core machine; limits are not what is tested
 
 
 def calls_task(prompt="# add one to x\ndef f(x):\n", tests=HIDDEN, task_id="add1", **kw):
@@ -39,7 +42,7 @@ def test_a_leaked_prompt_is_caught_and_is_what_a_hard_coder_exploits():
     assert not hidden_test_leaks(calls_task())
     # the attack the guard prevents: answers read off the prompt pass the leaked tests, and only those
     lookup = "def f(x):\n    return {7: 8, -3: -2}[x]\n"
-    [v] = verify_many([(leaky, lookup)])
+    [v] = verify_many([(leaky, lookup)], LIMITS)
     assert v.metrics["tests_passed"] == 2
 
 
@@ -71,7 +74,7 @@ LIARS = {
 
 def test_lying_objects_do_not_pass():
     spec = calls_task()
-    results = verify_many([(spec, code) for code in LIARS.values()] + [(spec, ADD_ONE)])
+    results = verify_many([(spec, code) for code in LIARS.values()] + [(spec, ADD_ONE)], LIMITS)
     passed = {name: v.metrics["tests_passed"] for name, v in zip(LIARS, results)}
     assert passed == {name: 0 for name in LIARS}
     assert results[-1].metrics["tests_passed"] == 6         # the honest solution passes all six
@@ -124,7 +127,7 @@ def cmd_task(command, task_id):
 
 def test_completion_cannot_rewrite_the_tests():
     pyt, script = cmd_task("pytest -q tests/", "tamper_pytest"), cmd_task("python check.py", "tamper_script")
-    a, b, ref = verify_many([(pyt, TAMPER), (script, TAMPER), (pyt, ADD_ONE)])
+    a, b, ref = verify_many([(pyt, TAMPER), (script, TAMPER), (pyt, ADD_ONE)], LIMITS)
     assert (a.metrics["tests_passed"], a.metrics["tests_total"]) == (0, 3)     # every hidden test still ran, and failed
     assert b.metrics["test_pass_rate"] == 0.0
     assert ref.metrics["tests_passed"] == 3
@@ -165,7 +168,7 @@ def test_forged_pytest_report_is_not_credited():
     (A completion that rewrites the reporter coherently before anything is printed is not
     caught: see the threat model in ratchet/verify/commands.py.)"""
     spec = cmd_task("pytest -q tests/", "forge")
-    results = verify_many([(spec, FORGE.replace("EXIT", "None")), (spec, FORGE.replace("EXIT", "0"))])
+    results = verify_many([(spec, FORGE.replace("EXIT", "None")), (spec, FORGE.replace("EXIT", "0"))], LIMITS)
     for v in results:
         assert v.metrics["tests_passed"] == 0 and "inconsistent_test_report" in v.metrics["security_flags"]
         assert score(v.metrics, RewardLogic(), NO_PENALTY) == 0.0
@@ -188,7 +191,7 @@ def test_hard_coded_visible_examples_fail_held_out_inputs_and_are_flagged():
     lookup = "def f(x):\n    return {1: 2, 2: 3, 3: 4}[x]\n"
     branches = "def f(x):\n    if x == 1: return 2\n    if x == 2: return 3\n    if x == 3: return 4\n    return x * 2 - 8\n"
     honest_bug = "def f(x):\n    return x + 1 if x > 1 else 0\n"     # fails visible f(1): not special-casing
-    memo, branch, honest, buggy = verify_many([(spec, lookup), (spec, branches), (spec, ADD_ONE), (spec, honest_bug)])
+    memo, branch, honest, buggy = verify_many([(spec, lookup), (spec, branches), (spec, ADD_ONE), (spec, honest_bug)], LIMITS)
     assert memo.metrics["tests_passed"] == 0 and "special_cased_examples" in memo.metrics["security_flags"]
     # branches (2x - 8 off the examples): hidden 7 -> 6, -3 -> -14, 10 -> 12, 0 -> -8, 42 -> 76, -8 -> -24: none passes
     assert branch.metrics["tests_passed"] == 0 and "special_cased_examples" in branch.metrics["security_flags"]
@@ -202,7 +205,7 @@ def test_special_casing_with_some_hidden_credit_is_penalised():
     spec = calls_task(prompt=EXAMPLES_PROMPT, metadata={"visible_tests": VISIBLE}, task_id="examples2")
     # right for small positive x only: hidden 7 -> 8 passes, 10 -> 11 passes; -3, 0, 42, -8 fail -> 2/6
     partial = "def f(x):\n    return x + 1 if 0 < x < 20 else 0\n"
-    [v] = verify_many([(spec, partial)])
+    [v] = verify_many([(spec, partial)], LIMITS)
     assert v.metrics["test_pass_rate"] == pytest.approx(2 / 6) and "special_cased_examples" in v.metrics["security_flags"]
     assert score(v.metrics, RewardLogic(), CFG) == 0.0                                        # penalty 0.0
     assert score(v.metrics, RewardLogic(), RewardConfig(security_penalty=-1.0)) == -1.0
@@ -221,13 +224,13 @@ def test_empty_completion_never_scores_above_zero():
                               RewardRule(metric="execution_time_ms", weight=0.2, threshold=5000),
                               RewardRule(metric="security_flags", weight=0.1)))
     items = [(passing_snapshot, ""), (passing_snapshot, "  \n\t"), (calls_task(), ""), (calls_task(), "\n")]
-    results = verify_many(items)
+    results = verify_many(items, LIMITS)
     for cfg in (CFG, NO_PENALTY, RewardConfig(format_weight=0.5), RewardConfig(partial_credit=False)):
         for v in results:
             assert not v.env_error and v.metrics["format_ok"] is False
             assert score(v.metrics, fast, cfg) <= 0 and score(v.metrics, RewardLogic(), cfg) <= 0
     # the same task does pass with a real (if trivial) completion: the guard is about emptiness
-    [v] = verify_many([(passing_snapshot, "x = 1\n")])
+    [v] = verify_many([(passing_snapshot, "x = 1\n")], LIMITS)
     assert v.metrics["test_pass_rate"] == 1.0
 
 
@@ -267,7 +270,7 @@ def test_humaneval_lying_answers_score_nothing_and_canonical_solutions_pass():
     assert len(specs) == 164
     answers = {"canonical": None, "always_equal": ALWAYS_EQUAL, "none": "    return None\n"}
     items = [(s, s.reference_solution if a is None else a) for a in answers.values() for s in specs]
-    results = verify_many(items)
+    results = verify_many(items, LIMITS)
     assert not [s.task_id for (s, _), v in zip(items, results) if v.env_error]
     full = {name: [s.task_id for (s, _), v in zip(items[i * 164:(i + 1) * 164], results[i * 164:(i + 1) * 164]) if v.passed]
             for i, name in enumerate(answers)}
@@ -296,7 +299,7 @@ def test_humaneval_a_correct_answer_rounded_differently_passes_and_random_checks
     fsum = ("    import math\n    m = math.fsum(numbers) / len(numbers)\n"
             "    return math.fsum(abs(x - m) for x in numbers) / len(numbers)\n")
     off = "    return sum(numbers) / len(numbers) / 2\n"
-    ok, wrong = verify_many([(mad, fsum), (mad, off)])
+    ok, wrong = verify_many([(mad, fsum), (mad, off)], LIMITS)
     assert ok.passed and wrong.metrics["tests_passed"] == 0
 
 
@@ -305,5 +308,5 @@ def test_run_command_pytest_still_compares_inside_the_candidates_process():
     imported the completion, so an always-equal object passes it (as with plain pytest). Only
     check_calls tasks (generated families, imported HumanEval) compare plain data outside."""
     liar = "class A:\n    def __eq__(self, o): return True\ndef f(x):\n    return A()\n"
-    [v] = verify_many([(cmd_task("pytest -q tests/", "liar_pytest"), liar)])
+    [v] = verify_many([(cmd_task("pytest -q tests/", "liar_pytest"), liar)], LIMITS)
     assert v.metrics["tests_passed"] == 3

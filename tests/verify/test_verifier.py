@@ -11,6 +11,7 @@ import pytest
 from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RewardLogic, RunCommand, TaskSpec
 from ratchet.config import RewardConfig
 from ratchet.reward import score
+from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.commands import json_report_counts, parse_command, pytest_counts, pytest_report
 from ratchet.data.schemas import METRICS
@@ -22,6 +23,8 @@ TEST_A = "from solution import f\n\n\ndef test_one():\n    assert f(1) == 2\n\n\
 TEST_B = "from solution import f\n\n\ndef test_three():\n    assert f(-1) == 0\n"
 CHECK = "from solution import f\nassert f(1) == 2 and f(5) == 6, 'wrong'\nprint('ok')\n"
 GOOD, HALF, BROKEN = "def f(x):\n    return x + 1\n", "def f(x):\n    return 2 if x == 1 else 0\n", "def f(x:\n"
+
+LIMITS = Limits(wall_s=60, cpu_s=30, memory_mb=1024)      # generous: a loaded 2-core machine; limits are not what is tested
 
 
 def task(command, task_id="pyt", **kw):
@@ -39,7 +42,7 @@ SCRIPT = task("python check.py", task_id="script")
 def runs():
     """Every sandbox run of this module in one wave (each pytest run costs ~0.3-1 s on 2 cores)."""
     items = [(PYTEST, GOOD), (PYTEST, HALF), (PYTEST, BROKEN), (SCRIPT, GOOD), (SCRIPT, HALF)]
-    return dict(zip(["pytest_good", "pytest_half", "pytest_broken", "script_good", "script_half"], verify_many(items)))
+    return dict(zip(["pytest_good", "pytest_half", "pytest_broken", "script_good", "script_half"], verify_many(items, LIMITS)))
 
 
 # --- commands -> the sandbox's line ----------------------------------------------------------------------
@@ -126,25 +129,25 @@ def test_runtime_python_is_used():
         seen.append(env)
         return host_python()
 
-    [a, b] = verify_many([(PYTEST, GOOD), (SCRIPT, HALF)], runtime_python=resolver)
+    [a, b] = verify_many([(PYTEST, GOOD), (SCRIPT, HALF)], LIMITS, runtime_python=resolver)
     assert (a.metrics["tests_passed"], b.metrics["tests_passed"]) == (3, 0)
     assert seen == [PYTEST.environment_config]        # resolved once per environment per call
 
 
 def test_runtime_without_pytest_is_an_env_error():
-    [v] = verify_many([(PYTEST, GOOD)], runtime_python=lambda env: "/usr/bin/python3")
+    [v] = verify_many([(PYTEST, GOOD)], LIMITS, runtime_python=lambda env: "/usr/bin/python3")
     assert v.env_error and v.env_error_kind == "runtime: pytest is not installed for /usr/bin/python3"
 
 
 def test_runtime_python_can_be_a_venv():
-    [v] = verify_many([(PYTEST, GOOD)], runtime_python=lambda env: sys.executable)
+    [v] = verify_many([(PYTEST, GOOD)], LIMITS, runtime_python=lambda env: sys.executable)
     assert not v.env_error and v.metrics["tests_passed"] == 3
 
 
 def test_misconfigured_task_is_an_env_error_not_a_model_failure():
     two_steps = PYTEST.model_copy(update={"task_id": "two", "execution_steps": (*PYTEST.execution_steps, CheckCalls(entry_point="f"))})
     unclosed = task("python 'check.py", task_id="unclosed")
-    [a, b] = verify_many([(two_steps, GOOD), (unclosed, GOOD)])
+    [a, b] = verify_many([(two_steps, GOOD), (unclosed, GOOD)], LIMITS)
     assert a.env_error and a.env_error_kind.startswith("task: task two: expected exactly one check_calls or run_command")
     assert b.env_error and "cannot parse the command line" in b.env_error_kind
 
