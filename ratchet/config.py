@@ -389,8 +389,8 @@ class MonitorConfig(Frozen):
         0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before and after each update "
         "(the trainer's approx_kl, averaged over the wave's updates) above this (empty: off).")
     length_drift_factor: float | None = Field(
-        2.0, gt=1, le=1000, description="Completion-length drift: the mean completion length (tokens) above this factor "
-        "of its baseline, or below its inverse (empty: off).")
+        2.5, gt=1, le=1000, description="Completion-length drift: the mean completion length (tokens) above this factor "
+        "of its baseline, or below its inverse (empty: off). A healthy default run grew 2.2x while its pass rate tripled.")
     max_env_error_rate: float | None = Field(
         0.02, ge=0, le=1, description="env_error spike: the fraction of env_error rows above this for `patience` waves "
         "(the wave gate's gate.max_env_error_rate rejects a single wave; empty: off).")
