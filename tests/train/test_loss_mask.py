@@ -50,15 +50,14 @@ def observation_positions(s: TrainSample) -> list[int]:
     return [j for j, m in enumerate(s.loss_mask or [1] * len(s.completion_ids)) if m == 0]
 
 
-class Capture(TorchTrainer):
-    """The torch trainer, recording each training forward's logits (with their gradient) and the
-    micro-batch they belong to, and the loss; the optimizer does not step."""
+class CaptureLogits:
+    """Mixed into a trainer: records each training forward's logits (with their gradient), the
+    micro-batch they belong to, and the loss."""
 
     def _setup(self):
         super()._setup()
         self.seen: list[tuple[list[TrainSample], bool, torch.Tensor]] = []
         self.losses: list[torch.Tensor] = []
-        self.param_grads: list[torch.Tensor] = []
 
     def _micro_loss(self, micro, *a):
         self._micro = micro
@@ -78,6 +77,14 @@ class Capture(TorchTrainer):
             logits.retain_grad()
             self.seen.append((self._micro, shared is not None, logits))
         return logits, values
+
+
+class Capture(CaptureLogits, TorchTrainer):
+    """The torch trainer capturing logits; the optimizer does not step (it records the parameters' gradient)."""
+
+    def _setup(self):
+        super()._setup()
+        self.param_grads: list[torch.Tensor] = []
 
     def _optimizer_step(self, lr):
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -222,21 +229,8 @@ def test_deepspeed_path_masks_observation_tokens():
     pytest.importorskip("deepspeed")
     from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
 
-    class DSCapture(DeepSpeedTrainer):
-        def _setup(self):
-            super()._setup()
-            self.seen = []
-
-        def _micro_loss_shared(self, micro, *a):
-            self._micro = micro
-            return super()._micro_loss_shared(micro, *a)
-
-        def _forward(self, ids, attn, with_values, shared=None):
-            logits, values = super()._forward(ids, attn, with_values, shared)
-            if logits.requires_grad:
-                logits.retain_grad()
-                self.seen.append((self._micro, shared is not None, logits))
-            return logits, values
+    class DSCapture(CaptureLogits, DeepSpeedTrainer):
+        pass
 
     samples = episode_group(tiny.model())
     t = trained(DSCapture, RLConfig(kl_coef=0.1, entropy_coef=0.01), samples, backend="deepspeed", zero_stage=0)
