@@ -62,15 +62,20 @@ class PolicyWithValue(nn.Module):
                        comp_attn: Tensor) -> Tensor:
         """Completion-aligned logits [N, C, V]: each distinct prompt is forwarded once and its KV
         cache (with gradients) is shared by every row of its group; the gradient is the one of
-        the plain [N, P + C] forward, without recomputing the prompt G times."""
+        the plain [N, P + C] forward, without recomputing the prompt G times. Rows are selected
+        with index_select, never advanced indexing (`cache.batch_select_indices`, `x[index]`):
+        the backward of advanced indexing (index_put with accumulate) sums a shared prompt's
+        gradients in an order that depends on torch's thread count on CPU, so the same run on 1
+        and 2 threads trained different bits; index_select's (index_add) does not."""
         pos = (prompt_attn.cumsum(-1) - 1).clamp(min=0)                                    # [U, P]
         out = self.policy(input_ids=prompt_ids, attention_mask=prompt_attn, position_ids=pos,
                           use_cache=True, logits_to_keep=1)
         cache = out.cache
-        cache.batch_select_indices(index)                                                  # U -> N rows
+        for layer in cache.layers:                                                         # U -> N rows
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
         attn = torch.cat([prompt_attn[index], comp_attn], dim=1)                           # [N, P + C]
         pos_c = pos[index, -1:] + 1 + torch.arange(comp_ids.shape[1], device=pos.device)   # [N, C]
         out_c = self.policy(input_ids=comp_ids, attention_mask=attn, position_ids=pos_c,
                             cache=cache, use_cache=True)
         # completion token j is predicted at the last prompt position (j = 0) or at completion j - 1
-        return torch.cat([out.logits[index, -1:], out_c.logits[:, :-1]], dim=1)           # [N, C, V]
+        return torch.cat([out.logits[:, -1:].index_select(0, index), out_c.logits[:, :-1]], dim=1)   # [N, C, V]
