@@ -62,9 +62,10 @@ class PolicyWithValue(nn.Module):
                        comp_attn: Tensor) -> Tensor:
         """Completion-aligned logits [N, C, V]: each distinct prompt is forwarded once and its KV
         cache (with gradients) is shared by every row of its group; the gradient is the one of
-        the plain [N, P + C] forward, without recomputing the prompt G times. Rows are selected
-        with index_select, never advanced indexing (`cache.batch_select_indices`, `x[index]`):
-        the backward of advanced indexing (index_put with accumulate) sums a shared prompt's
+        the plain [N, P + C] forward, without recomputing the prompt G times. Rows that carry a
+        gradient are selected with index_select, never advanced indexing (`x[index]`, as in
+        `cache.batch_select_indices`): the backward of advanced indexing (index_put with
+        accumulate) sums a shared prompt's
         gradients in an order that depends on torch's thread count on CPU, so the same run on 1
         and 2 threads trained different bits; index_select's (index_add) does not."""
         pos = (prompt_attn.cumsum(-1) - 1).clamp(min=0)                                    # [U, P]
