@@ -1,25 +1,27 @@
 """Benchmark: does training on multi-turn episodes teach the embedded model to use the sandbox's feedback?
 
-    python -m bench.multiturn                       # ~15-25 min on 2 CPU cores; the LAST line is one JSON object
-    python -m bench.multiturn --seeds 0 1 2 --waves 16 --prompts 32 --turns 3
+    python -m bench.multiturn                       # ~30 min on 2 CPU cores; the LAST line is one JSON object
+    python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
    (`agent.revision_demos`: a wrong attempt, the sandbox's real feedback on it, the fix), saved as a
    checkpoint. Both runs of a seed start from it, so they differ only in how they train.
 2. Per seed (`train.seed`: which tasks each wave draws and how it samples), two trainings for the
-   same budget of SAMPLED tokens (the model's own tokens; observation tokens are not sampled):
-   single-turn (`agent.turns` 1) for `--waves` waves, which sets the budget; then K-turn
-   (`agent.turns` K) for as many waves as it takes to sample that many tokens (its episodes sample
-   more per prompt, so it sees fewer prompts).
-3. Both final policies are evaluated on the same held-out tasks in K-turn mode, greedy: pass@1 after
-   turn 1 (the single-turn figure), after the last turn, and the fix rate (episodes that failed turn
-   1 and passed later, over those that failed turn 1).
+   same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
+   sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K), each for waves until it has
+   sampled the budget (the K-turn run's episodes sample more per prompt, so it sees fewer prompts).
+   The two run side by side in two processes, each on half the cores (training is bit-identical
+   across thread counts, DESIGN.md "Determinism").
+3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
+   greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
+   (episodes that failed turn 1 and passed later, over those that failed turn 1); the last-turn gain
+   of K-turn over single-turn is paired by task (bootstrap CI, exact McNemar p).
 
 The training loop is the nightly's own stages (`tasks/*.fn`: rollout_wave, score_wave, gate_wave,
 train_epoch, evaluate), called in the flow's order without Prefect's run tracking, so that the
-multi-turn run can stop on the token budget. Last line:
-{"single_turn": {"pass_turn1", "pass_last", "fix_rate", ...}, "multi_turn": {...}, "gain_last", ...},
+runs can stop on the token budget. Last line:
+{"warm_start": {...}, "single_turn": {"pass_turn1", "pass_last", "fix_rate", ...}, "multi_turn": {...}, "gain_last", ...},
 each figure the mean over seeds, with the per-seed values beside it. Goal: multi_turn.pass_last beats
 single_turn.pass_last by >= 5 points, and multi_turn.fix_rate > 0.
 """
@@ -28,15 +30,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+BUDGET = 900_000   # sampled tokens per run: about make run's 90 waves of 64 prompts x 8, single-turn
 
 
 def note(what: str, since: float) -> None:
@@ -61,8 +68,9 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
     )
 
 
-def start(store: Path, args) -> tuple[list, list, str]:
-    """Produce and audit the tasks, warm-start the embedded model; (train refs, held-out refs, start dir)."""
+def start(store: Path, args) -> tuple[list, list, str, dict]:
+    """Produce and audit the tasks, warm-start the embedded model and evaluate it like the trained ones;
+    (train refs, held-out refs, start dir, its figures)."""
     from tasks.audit import audit_envs
     from tasks.produce import produce_envs
     from tasks.train import bootstrap_policy
@@ -73,16 +81,30 @@ def start(store: Path, args) -> tuple[list, list, str]:
               for f in cfg.envs.families]
     note("tasks produced and audited", t0)
     t0 = time.perf_counter()
-    bootstrap_policy.fn("bench-start", cfg, [a.passed for a in audits])
+    train_refs, heldout = [a.passed for a in audits], [a.heldout_passed for a in audits]
+    policy = bootstrap_policy.fn("bench-start", cfg, train_refs)
     note("warm start (revision demos, SFT)", t0)
-    return [a.passed for a in audits], [a.heldout_passed for a in audits], str(store / "runs/bench-start/checkpoints/000000")
+    return train_refs, heldout, str(store / "runs/bench-start/checkpoints/000000"), held_out(policy, heldout, cfg)
 
 
-def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout,
-          waves: int | None = None, budget: int | None = None) -> dict:
-    """Waves of the nightly's stages until `waves` waves or `budget` sampled tokens; then the held-out
-    evaluation in K-turn mode (`--turns`), whatever the run trained with."""
+def held_out(policy, heldout, cfg) -> dict:
+    """The policy's held-out figures in K-turn mode, and whether each task passed at the last turn (for the pairing)."""
+    from ratchet.store import open_store
     from tasks.evaluate import evaluate
+
+    t0 = time.perf_counter()
+    final = evaluate.fn(policy, heldout, cfg)
+    by_turn = final["turns"]
+    note(f"{policy.run_id}: held-out evaluation, {cfg.agent.turns} turns", t0)
+    rows = open_store(cfg.store).read_table(f"runs/{policy.run_id}/eval/{policy.version:06d}.parquet")
+    return {"pass_turn1": by_turn["pass_after_turn"][0], "pass_last": by_turn["pass_after_turn"][-1],
+            "fix_rate": by_turn["fix_rate"], "mean_turns": by_turn["mean_turns"],
+            "passed": dict(zip(rows["task_id"], rows["passed"]))}
+
+
+def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout) -> dict:
+    """Waves of the nightly's stages until `args.budget` sampled tokens; then the held-out evaluation in
+    K-turn mode (`--turns`), whatever the run trained with."""
     from tasks.gate import gate_wave
     from tasks.rollout import rollout_wave
     from tasks.score import score_wave
@@ -91,7 +113,7 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
     cfg = config(str(store), run_id, args, seed, turns, model_path)
     policy = bootstrap_policy.fn(run_id, cfg, train_refs)
     sampled, step, t0, rewards = 0, 0, time.perf_counter(), []
-    while (waves is None or step < waves) and (budget is None or sampled < budget):
+    while sampled < args.budget:
         wave, rollout_stats = rollout_wave.fn(policy, step, train_refs, cfg)
         scored, wave_stats = score_wave.fn(wave, train_refs, cfg)
         policy, _ = train_epoch.fn(policy, gate_wave.fn(scored, train_refs, cfg), cfg)
@@ -100,29 +122,48 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
         step += 1
     wall = time.perf_counter() - t0
     note(f"{run_id}: {step} waves, {sampled} sampled tokens", t0)
-    t0 = time.perf_counter()
     policy = checkpoint_policy.fn(policy, cfg)
-    final = evaluate.fn(policy, heldout, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})}))
-    by_turn = final["turns"]
-    note(f"{run_id}: held-out evaluation, {args.turns} turns", t0)
-    return {"pass_turn1": by_turn["pass_after_turn"][0], "pass_last": by_turn["pass_after_turn"][-1],
-            "fix_rate": by_turn["fix_rate"], "mean_turns": by_turn["mean_turns"], "waves": step,
-            "sampled_tokens": sampled, "train_s": round(wall, 1), "reward_first": round(rewards[0], 4),
-            "reward_last": round(rewards[-1], 4)}
+    final = held_out(policy, heldout, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})}))
+    return {**final, "waves": step, "sampled_tokens": sampled, "train_s": round(wall, 1),
+            "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4)}
+
+
+def paired(multi: dict, single: dict) -> dict:
+    """multi - single at the last turn over the same held-out tasks: the estimate, its 95% paired-bootstrap
+    CI and the exact McNemar p (tasks only one of them solved)."""
+    from ratchet.eval.stats import mcnemar, paired_bootstrap
+
+    tasks = list(single)
+    a, b = [bool(multi[t]) for t in tasks], [bool(single[t]) for t in tasks]
+    ci, test = paired_bootstrap(a, b), mcnemar(a, b)
+    return {"estimate": round(ci.estimate, 4), "ci95": [round(ci.ci_low, 4), round(ci.ci_high, 4)],
+            "mcnemar_p": float(f"{test.p_value:.3g}"), "only_multi": test.b, "only_single": test.c}
+
+
+def train_in_child(store: str, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout) -> dict:
+    """`train` in a process of its own (spawned), on its share of the cores, with its own Prefect test server."""
+    import torch
+    from prefect.logging import disable_run_logger
+    from prefect.testing.utilities import prefect_test_harness
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    import tasks.evaluate, tasks.gate, tasks.rollout, tasks.score, tasks.train  # noqa: E401,F401
+    with prefect_test_harness(server_startup_timeout=180), disable_run_logger():
+        return train(Path(store), run_id, args, seed, turns, model_path, train_refs, heldout)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each pair of runs")
-    p.add_argument("--waves", type=int, default=16, help="waves of the single-turn run (sets the token budget)")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per wave")
+    p.add_argument("--budget", type=int, default=BUDGET, help="sampled tokens each run trains on (whole waves: it stops at the first wave that reaches it)")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per wave")
     p.add_argument("--group", type=int, default=8, help="samples (episodes) per prompt")
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--context", type=int, default=384, help="model.max_seq_len of the embedded model")
     p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated")
-    p.add_argument("--train-tasks", type=int, default=1500, help="training tasks produced (and audited)")
+    p.add_argument("--train-tasks", type=int, default=3000, help="training tasks produced (and audited)")
     args = p.parse_args()
 
     from prefect.logging import disable_run_logger
@@ -134,12 +175,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ratchet-bench-multiturn-") as tmp, \
             prefect_test_harness(server_startup_timeout=180), disable_run_logger():
         store = Path(tmp)
-        train_refs, heldout, model_path = start(store, args)
+        train_refs, heldout, model_path, warm = start(store, args)
+        warm_passed = warm.pop("passed")
+        spawn = multiprocessing.get_context("spawn")
         for seed in args.seeds:
-            single = train(store, f"single-{seed}", args, seed, 1, model_path, train_refs, heldout, waves=args.waves)
-            multi = train(store, f"multi-{seed}", args, seed, args.turns, model_path, train_refs, heldout,
-                          budget=single["sampled_tokens"])
-            per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi})
+            with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
+                runs = [pool.submit(train_in_child, tmp, f"{name}-{seed}", args, seed, turns, model_path, train_refs, heldout)
+                        for name, turns in (("single", 1), ("multi", args.turns))]
+                single, multi = (r.result() for r in runs)
+            per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
+                             "gain_last": paired(multi.pop("passed"), single.pop("passed"))})
             print(json.dumps(per_seed[-1]), flush=True)
 
     def summary(side: str) -> dict:
@@ -150,11 +195,11 @@ def main() -> None:
             out[f"{k}_per_seed"] = values
         return out
 
-    gains = [r["multi_turn"]["pass_last"] - r["single_turn"]["pass_last"] for r in per_seed]
-    print(json.dumps({"single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
+    gains = [r["gain_last"]["estimate"] for r in per_seed]
+    print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "waves_single": args.waves, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 
