@@ -233,6 +233,10 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
                     server.start()
                 except Exception as e:  # noqa: BLE001 - the run's own calls will report it
                     log.error("could not restart the ephemeral Prefect API: %s", e)
+        # A server started here is this thread's child, and PR_SET_PDEATHSIG (`die_with_parent`) fires
+        # when the forking THREAD exits, not the process: returning would kill it while Prefect still
+        # has the run's queued events to deliver at exit (7 s each, then a hang). Park until exit.
+        threading.Event().wait()
 
     threading.Thread(target=watch, name="ephemeral-api-watchdog", daemon=True).start()
     return stopped      # set it to stop watching
