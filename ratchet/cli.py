@@ -105,21 +105,25 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
     from flows.nightly import nightly
-    from ratchet.run import Interrupted
+    from ratchet.run import Interrupted, request_stop, stop_signal
 
-    def stop(signum, _frame):
-        raise Interrupted(signum)
-
-    handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.signal(sig, lambda signum, _frame: request_stop(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
     watchdog = _restart_ephemeral_api_if_it_dies()
     resume = f"resume with: ratchet run --run-id {cfg.run_id}"
+
+    def interrupted(signum: int) -> None:
+        _quiet_prefect_exit()
+        typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {signal.Signals(signum).name}; {resume}", err=True)
+        _exit_now(128 + signum)
+
     try:
         summary = nightly(cfg)
     except Interrupted as e:
-        _quiet_prefect_exit()
-        typer.echo(f"ratchet run: run {cfg.run_id} interrupted by {e.args[0]}; {resume}", err=True)
-        _exit_now(128 + e.signum)
+        interrupted(e.signum)
     except Exception as e:   # the flow has logged the traceback; the last line says what failed
+        if stop_signal() is not None:   # our Interrupted, converted by a library it was raised in
+            interrupted(stop_signal())
         if os.environ.get("RATCHET_DEBUG"):
             raise
         _quiet_prefect_exit()

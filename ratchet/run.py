@@ -30,10 +30,28 @@ class Interrupted(KeyboardInterrupt):
         self.signum = signum
 
 
+_stop_signals: list[int] = []   # SIGTERM / SIGINT received by this process's run, first first
+
+
+def request_stop(signum: int) -> None:
+    """A stop signal's handler: note the signal, then raise `Interrupted` wherever the run is. The note
+    keeps the attempt "interrupted" when a library converts the exception raised in its code (polars
+    turned one into "TypeError: '<unprintable str object>' is not a Polars data type")."""
+    _stop_signals.append(signum)
+    raise Interrupted(signum)
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this process received, if any (`request_stop`)."""
+    return _stop_signals[0] if _stop_signals else None
+
+
 def outcome(exc: BaseException) -> str:
     """One line saying how an attempt ended."""
     if isinstance(exc, Interrupted):
         return f"interrupted: {exc.args[0]}"
+    if stop_signal() is not None:   # the Interrupted raised by request_stop, converted on its way up
+        return f"interrupted: {signal.Signals(stop_signal()).name}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted: SIGINT"
     signum = getattr(exc, "signal", None)   # an orchestrator's termination exception (Prefect's TerminationSignal)

@@ -163,3 +163,15 @@ def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
     assert "Unable to connect" not in after_flow, after_flow[:2000]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["run_id"] == "sig" and summary["steps"] == 6
+
+
+def test_a_stop_signal_that_a_library_converts_still_ends_the_attempt_interrupted(monkeypatch):
+    """A signal's Interrupted raised inside polars came out as a TypeError (CI, 2026-12-04): the attempt
+    is still "interrupted", and `ratchet run` exits as interrupted (the test above)."""
+    from ratchet import run
+
+    monkeypatch.setattr(run, "_stop_signals", [])
+    assert run.outcome(TypeError("boom")) == "failed: TypeError: boom"
+    with pytest.raises(run.Interrupted):
+        run.request_stop(signal.SIGTERM)
+    assert run.outcome(TypeError("'<unprintable str object>' is not a Polars data type")) == "interrupted: SIGTERM"
