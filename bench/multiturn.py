@@ -2,6 +2,7 @@
 
     python -m bench.multiturn                       # ~30 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
+    python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -9,7 +10,8 @@
    checkpoint. Both runs of a seed start from it, so they differ only in how they train.
 2. Per seed (`train.seed`: which tasks each wave draws and how it samples), two trainings for the
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
-   sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K), each for waves until it has
+   sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
+   by default "turn", each answer credited with the state it left), each for waves until it has
    sampled the budget (the K-turn run's episodes sample more per prompt, so it sees fewer prompts).
    The two run side by side in two processes, each on half the cores (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
@@ -60,7 +62,8 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         envs=EnvsConfig(families=("python_functions",), n_train=args.train_tasks, n_heldout=args.eval_tasks),
         model=ModelConfig(path=model_path, max_seq_len=args.context),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
-        agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos),
+        agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
+                          credit=args.credit),
         train=TrainConfig(seed=seed),
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
@@ -159,6 +162,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64, help="prompts per wave")
     p.add_argument("--group", type=int, default=8, help="samples (episodes) per prompt")
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
+    p.add_argument("--credit", choices=("trajectory", "turn"), default="turn",
+                   help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--context", type=int, default=384, help="model.max_seq_len of the embedded model")
@@ -199,7 +204,7 @@ def main() -> None:
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

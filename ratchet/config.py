@@ -240,6 +240,12 @@ class AgentConfig(Frozen):
     turn_penalty: float = Field(
         0.0, ge=0, le=1, description="Per-turn shaping: subtracted from the trajectory's reward (the final answer's) "
         "for each turn after the first, so that solving sooner is worth more. 0: the final state's reward alone.")
+    credit: Literal["trajectory", "turn"] = Field(
+        "trajectory", description="What each answer of an episode is credited with. trajectory: every answer gets "
+        "the episode's advantage (from its final reward). turn: answer k gets the group-relative advantage of the "
+        "state after turn k (the reward of the latest answer so far, less turn_penalty per turn taken; an episode "
+        "that ended keeps its state), so turn 1 learns as a single-turn answer does and a revision is judged by "
+        "what it fixed. turn needs a group estimator (not gae) and rl.kl_in_reward off.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
         "reference solution) that get a revision demonstration (a wrong attempt, the sandbox's real feedback on it, "
@@ -447,6 +453,16 @@ class NightlyConfig(Frozen):
         if self.agent.turns > 1 and self.rollout.engine != "torch":
             raise ValueError(f"agent.turns {self.agent.turns}: multi-turn episodes run on the torch engine (they extend "
                              f"each episode's KV cache in place); rollout.engine is {self.rollout.engine!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_credit_needs_group_advantages(self):
+        if self.agent.credit == "turn":
+            bad = [f"rl.estimator {self.rl.estimator!r}"] if self.rl.estimator == "gae" else []
+            bad += ["rl.kl_in_reward"] if self.rl.kl_in_reward else []
+            if bad:
+                raise ValueError(f"agent.credit 'turn' computes a group advantage per turn from the episodes' rewards; "
+                                 f"it does not combine with {' or '.join(bad)}")
         return self
 
 

@@ -13,6 +13,7 @@ from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
+from ratchet.reward.frame import turn_states
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample
@@ -157,20 +158,25 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
 
 def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> list[TrainSample]:
     """The rows a trainer may learn from: whole groups, every row verified and scored. Their
-    advantages are set by `Trainer.assign_advantages` (which also drops zero-variance groups)."""
+    advantages are set by `Trainer.assign_advantages` (which also drops zero-variance groups).
+    Multi-turn episodes with `agent.credit` "turn" carry the value of their state after each turn
+    (`turn_rewards`), from which the trainer credits each answer on its own."""
     indexed = frame.with_row_index("_row")
     usable = indexed.filter(pl.col("group_id").is_in(_complete_groups(frame, cfg.rollout.group_size).implode()))
     if usable.height == 0:
         return []
     prompt_ids = encode_prompts(usable["prompt"].to_list())
+    per_turn = cfg.agent.turns > 1 and cfg.agent.credit == "turn"
     return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
-                        reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"))
+                        reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"),
+                        turn_rewards=turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
+                        if per_turn and row["turns"] else None)
             for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
 
 
 def with_advantages(frame: pl.DataFrame, samples: list[TrainSample]) -> pl.DataFrame:
     """`frame` with the advantages the trainer will use: `advantage` (group estimators) and
-    `token_advantages` (GAE) of the trained rows; null on rows that are not trained on."""
+    `token_advantages` (GAE; per-turn credit) of the trained rows; null on rows that are not trained on."""
     adv: list[float | None] = [None] * frame.height
     tokens: list[list[float] | None] = [None] * frame.height
     for s in samples:

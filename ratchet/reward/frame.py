@@ -5,7 +5,8 @@
 
 A multi-turn episode's reward is its final state's: the last answer's metrics, as a single-turn
 row's (`turn_penalty` > 0 subtracts that much per turn after the first: solving sooner is worth
-more). Each turn in `turns` gets the reward its own answer would have had, for reading a run.
+more). Each turn in `turns` gets the reward its own answer would have had, for reading a run,
+and for per-turn credit (`turn_states`: the value of the episode's state after each turn).
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -59,3 +60,15 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
         turns.append(r["turns"])
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
                               pl.Series("turns", turns, dtype=frame.schema["turns"]))
+
+
+def turn_states(turns: list[dict], max_turns: int, turn_penalty: float = 0.0) -> list[float]:
+    """The value of a scored episode's state after turn k, k = 1..max_turns (per-turn credit,
+    `AgentConfig.credit` "turn"): the reward of its latest answer so far less `turn_penalty` per turn
+    taken after the first; after its last turn it keeps its final state, whose value is the episode's
+    reward (`score_frame`'s)."""
+    if not turns or len(turns) > max_turns:
+        raise ValueError(f"turn_states: an episode needs 1..{max_turns} turns, got {len(turns)}")
+    if any(t.get("reward") is None for t in turns):
+        raise ValueError("turn_states: every turn needs its reward (score the frame first; env_error episodes are not trained on)")
+    return [turns[j]["reward"] - turn_penalty * j for j in (min(k, len(turns)) - 1 for k in range(1, max_turns + 1))]

@@ -1,7 +1,7 @@
 """ratchet's RL framework: advantage estimators and losses as pure functions over tensors.
 
     advantages.py   outcome-level estimators behind a registry (grpo, dr_grpo, rloo,
-                    reinforce_pp), token-level GAE, dynamic sampling (zero-variance groups)
+                    reinforce_pp), per-turn credit, token-level GAE, dynamic sampling (zero-variance groups)
     losses.py       PPO clipped surrogate (clip-higher, truncated IS), aggregation modes,
                     KL estimators k1/k2/k3, value loss, entropy
 
@@ -18,6 +18,8 @@ from ratchet.rl.advantages import (
     masked_whiten,
     outcome_to_token_rewards,
     register_estimator,
+    spread_over_turns,
+    turn_advantages,
     zero_variance_groups,
 )
 from ratchet.rl.losses import aggregate, entropy_from_logits, kl_in_reward, kl_penalty, policy_loss, value_loss
@@ -36,6 +38,8 @@ __all__ = [
     "kl_penalty",
     "policy_loss",
     "register_estimator",
+    "spread_over_turns",
+    "turn_advantages",
     "value_loss",
     "zero_variance_groups",
 ]

@@ -1,6 +1,8 @@
 """Advantage estimators: pure functions behind a small registry, plus GAE and dynamic sampling.
 
-Outcome-level estimators map one scalar reward per sequence to one advantage per sequence.
+Outcome-level estimators map one scalar reward per sequence to one advantage per sequence;
+`turn_advantages` applies one per turn of multi-turn episodes (per-turn credit) and
+`spread_over_turns` lays an episode's per-turn advantages on its answers' tokens.
 Rewards arrive grouped contiguously: `rewards[b * G + g]` is sample g of prompt b, so
 `rewards.view(B, G)` recovers the groups. A new estimator is a function registered with
 `@register_estimator("name")`; the trainer selects it by `RLConfig.estimator`:
@@ -122,6 +124,32 @@ def reinforce_pp(rewards: Tensor, group_size: int, eps: float = 1e-6, baseline: 
     flat = g.flatten()  # [B*G]
     std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype, device=flat.device)  # []
     return (flat - flat.mean()) / (std + eps)  # [B*G]
+
+
+def turn_advantages(name: str, states: Tensor, group_size: int) -> Tensor:
+    """Per-turn credit for multi-turn episodes (`AgentConfig.credit` "turn"): states [B*G, K], the value
+    of each episode's state after turn k (its latest answer's reward so far; an episode that ended
+    keeps its last) -> advantages [B*G, K], column k the estimator `name` over the groups' states
+    after turn k. Column 1 is the single-turn advantage of the first answers; a later answer is
+    compared with where the group's other episodes stand by then (passed earlier, fixed now, still
+    failing), so a revision is credited with what it fixed and an early pass is not diluted."""
+    if states.dim() != 2:
+        raise ValueError(f"turn_advantages: states must be 2-D [B*G, K], got shape {tuple(states.shape)}")
+    return torch.stack([compute_advantages(name, states[:, k].contiguous(), group_size)
+                        for k in range(states.shape[1])], dim=1)  # [B*G, K]
+
+
+def spread_over_turns(turn_adv: Tensor, loss_mask: Tensor) -> Tensor:
+    """Token advantages [c] of one episode: the k-th run of action tokens (1s of `loss_mask` [c], the
+    answer of turn k) gets turn_adv[k] ([K]); observation tokens get 0."""
+    m = loss_mask.to(torch.long)  # [c]
+    starts = m * (1 - torch.cat([m.new_zeros(1), m[:-1]]))  # [c] 1 where an answer begins
+    run = torch.cumsum(starts, 0) - 1  # [c] the turn (0-based) of each action token
+    n_runs = int(starts.sum())
+    if n_runs > turn_adv.numel():
+        raise ValueError(f"spread_over_turns: the loss mask has {n_runs} answers but there are advantages for "
+                         f"{turn_adv.numel()} turns")
+    return torch.where(m.bool(), turn_adv.to(torch.get_default_dtype())[run.clamp(min=0)], 0.0)  # [c]
 
 
 @torch.no_grad()

@@ -29,6 +29,9 @@ between two answers, so the recursion steps from the last token of answer k stra
 first token of answer k + 1 (whose value V(s) has read the observation), with no discount over
 the observation's length; the outcome reward sits on the last action token, and advantages are
 whitened over the wave's action tokens. With loss_mask None nothing changes, bit for bit.
+Per-turn credit (`TrainSample.turn_rewards`, `AgentConfig.credit` "turn"): the group estimator
+runs once per turn over the episodes' state values after that turn, and each answer's tokens
+get their turn's advantage (`token_advantages`; observation tokens 0).
 
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
 forwarded at all; they still count in the normaliser, so the gradient does not change.
@@ -57,6 +60,8 @@ from ratchet.rl import (
     masked_whiten,
     outcome_to_token_rewards,
     policy_loss,
+    spread_over_turns,
+    turn_advantages,
     value_loss,
 )
 from ratchet.train.batching import (
@@ -149,13 +154,20 @@ class Trainer(ABC):
             return []
         kl_reward = self.rl.kl_in_reward and self.ref_model is not None
         self.module.eval()
+        per_turn = any(s.turn_rewards is not None for s in samples)
+        if per_turn and (self.ppo or kl_reward or any(s.turn_rewards is None for s in samples)):
+            raise ValueError("assign_advantages: per-turn credit (turn_rewards) needs every sample's turn rewards, "
+                             "a group estimator (not gae) and kl_in_reward off")
         if self.ppo:
             return self._gae_advantages(samples, kl_reward)
         groups: dict[str, list[TrainSample]] = {}
         for s in samples:
             groups.setdefault(s.group, []).append(s)
-        if self.rl.drop_zero_variance:
-            groups = {g: rows for g, rows in groups.items() if len({s.reward for s in rows}) > 1}
+        if self.rl.drop_zero_variance:   # per turn: a group whose every turn has one value
+            values = (lambda s: tuple(s.turn_rewards)) if per_turn else (lambda s: s.reward)
+            groups = {g: rows for g, rows in groups.items() if len({values(s) for s in rows}) > 1}
+        if per_turn:
+            return self._turn_advantages(list(groups.values()))
         kept = [s for rows in groups.values() for s in rows]
         rewards = self._token_pass(kept, kl_reward) if kl_reward else {id(s): s.reward for s in kept}
         by_size: dict[int, list[list[TrainSample]]] = {}
@@ -167,6 +179,18 @@ class Trainer(ABC):
             adv = compute_advantages(self.rl.estimator, torch.tensor([float(rewards[id(s)]) for s in flat]), size)
             out.update({id(s): float(a) for s, a in zip(flat, adv)})                      # [B*G]
         return [replace(s, advantage=out[id(s)]) for s in kept]
+
+    def _turn_advantages(self, groups: list[list[TrainSample]]) -> list[TrainSample]:
+        """Per-turn credit: the estimator per turn over the groups' state values (`turn_advantages`),
+        each answer's tokens given its turn's advantage (`spread_over_turns`)."""
+        by_size: dict[int, list[TrainSample]] = {}
+        for rows in groups:
+            by_size.setdefault(len(rows), []).extend(rows)
+        out: dict[int, list[float]] = {}
+        for size, flat in by_size.items():   # one call per turn and group size
+            adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size)  # [B*G, K]
+            out.update({id(s): spread_over_turns(a, loss_mask_of(s)).tolist() for s, a in zip(flat, adv)})
+        return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
 
     def _gae_advantages(self, samples: list[TrainSample], kl_reward: bool) -> list[TrainSample]:
         per_sample = self._token_pass(samples, kl_reward, values=True)   # id -> (adv [c], returns [c], values [c])
@@ -208,7 +232,7 @@ class Trainer(ABC):
     def train_wave(self, samples: list[TrainSample]) -> dict[str, float]:
         """Minibatches of whole groups, `updates_per_batch` optimizer steps each, on the advantages
         `assign_advantages` set (it is not called here: what was stored is what trains)."""
-        missing = [s for s in samples if (s.token_advantages if self.ppo else s.advantage) is None]
+        missing = [s for s in samples if s.token_advantages is None and (self.ppo or s.advantage is None)]
         if missing:
             raise ValueError(f"train_wave: {len(missing)} sample(s) have no advantage; call assign_advantages first")
         groups: dict[str, list[TrainSample]] = {}
@@ -246,7 +270,8 @@ class Trainer(ABC):
     def _zero_grad_sample(self, s: TrainSample) -> bool:
         """True when this sample's loss gradient is exactly 0 (so its forward can be skipped)."""
         rl = self.rl
-        return (s.advantage == 0.0 and not self.ppo and rl.entropy_coef == 0
+        zero = s.advantage == 0.0 if s.token_advantages is None else not any(s.token_advantages)
+        return (zero and not self.ppo and rl.entropy_coef == 0
                 and (self.ref_model is None or rl.kl_in_reward or rl.kl_coef == 0))
 
     def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
@@ -311,6 +336,8 @@ class Trainer(ABC):
             width = ids.shape[1] - 1
             adv, returns, old_values = (place_tokens(micro, [torch.tensor(getattr(s, f)) for s in micro], width).to(dev)
                                         for f in ("token_advantages", "returns", "old_values"))  # [N, L-1] each
+        elif micro[0].token_advantages is not None:   # per-turn credit
+            adv = place_tokens(micro, [torch.tensor(s.token_advantages) for s in micro], ids.shape[1] - 1).to(dev)
         loss, m = self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
         if self.ppo:
             v_loss = value_loss(values[:, :-1], returns, old_values, mask, denom=n_tokens)  # token mean
@@ -323,6 +350,10 @@ class Trainer(ABC):
         rl, dev = self.rl, self.device
         prompt_ids, prompt_attn, index, comp_ids, comp_attn, mask, behavior, adv = (
             t.to(dev) for t in collate_shared(micro, self.pad_id))       # attention on observations, loss not
+        if micro[0].token_advantages is not None:   # per-turn credit: [N, C]
+            adv = torch.zeros_like(mask)
+            for b, s in enumerate(micro):
+                adv[b, :len(s.token_advantages)] = torch.tensor(s.token_advantages)
         logits, _ = self._forward(prompt_ids, prompt_attn, False, (index, comp_ids, comp_attn))  # [N, C, V]
         z = logits.float() / self.temperature
         logp = torch.log_softmax(z, dim=-1).gather(2, comp_ids[:, :, None]).squeeze(2)        # [N, C]

@@ -33,11 +33,12 @@ class TrainSample:
     group: str                       # prompt group id (whole groups stay in one minibatch)
     reward: float | None = None      # what the advantages are computed from
     row: int = -1                    # the sample's row in its wave's frame (to store what was trained on)
-    token_advantages: list[float] | None = None   # "gae": one per completion token
+    token_advantages: list[float] | None = None   # "gae", per-turn credit: one per completion token
     returns: list[float] | None = None            # "gae": value-loss targets, one per token
     old_values: list[float] | None = None         # "gae": V(s_t) before the epoch, one per token
     loss_mask: list[int] | None = None            # one per completion token: 1 = the model's own (action)
                                                   # token, 0 = observation; None = all ones (single-turn)
+    turn_rewards: list[float] | None = None       # per-turn credit: the episode's state value after each turn
 
     @property
     def action_tokens(self) -> int:

@@ -1,0 +1,146 @@
+"""Per-turn credit (`agent.credit` "turn"): each answer of an episode is credited with the group-relative
+value of the state it left, not with the episode's final reward.
+
+A hand-built group of three episodes of one task: one passes at turn 1, one fails turn 1 and is fixed
+at turn 2, one fails both. With the trajectory's reward every token of the fixed episode, its wrong
+first answer included, is pushed up; with per-turn credit the wrong first answer is pushed down (it
+did worse than the turn-1 pass) and the fix up. Checked on the advantages, on the gradient the loss
+sends to the logits (both layouts), and end to end from a scored frame through `train_samples`.
+
+    pytest tests/train/test_turn_credit.py -q
+"""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+import torch
+
+from ratchet.config import AgentConfig, NightlyConfig, RLConfig, RolloutConfig, TrainConfig
+from ratchet.data.schemas import trajectories_frame
+from ratchet.reward.frame import turn_states
+from ratchet.rl import compute_advantages, spread_over_turns, turn_advantages
+from ratchet.stages import train_samples, with_advantages
+from ratchet.train.batching import TrainSample
+from ratchet.train.torch_trainer import TorchTrainer
+from tests.train import tiny
+from tests.train.test_loss_mask import Capture, logit_grads
+
+PROMPT = [10, 11, 12, 13]
+A1, O1, A2 = [20, 21], [23, 24], [25, 26]
+
+
+def turns(*passed: bool) -> list[dict]:
+    return [{"reward": float(p), "passed": p} for p in passed]
+
+
+def group(per_turn: bool) -> list[TrainSample]:
+    """pass at turn 1 | fail, observation, fix | fail, observation, fail (rewards 1, 1, 0)."""
+    eos = tiny.tokenizer().eos_token_id
+    two = A1 + [eos] + O1 + A2 + [eos]
+    mask = [1] * 3 + [0] * 2 + [1] * 3
+    episodes = [(A1 + [eos], None, turns(True)), (two, mask, turns(False, True)), (two[:-1] + [27], mask, turns(False, False))]
+    out = []
+    for ids, m, ts in episodes:
+        out.append(TrainSample(PROMPT, ids, [0.0] * len(ids), None, "g", reward=ts[-1]["reward"], loss_mask=m,
+                               turn_rewards=turn_states(ts, 2) if per_turn else None))
+    with torch.no_grad():   # behaviour log-probs: the policy's own, so the first pass is on-policy
+        policy = tiny.model()
+        for s in out:
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            logp = torch.log_softmax(policy(ids).logits[0, len(PROMPT) - 1:-1].float(), -1)
+            s.behavior_logprobs = logp.gather(1, torch.tensor(s.completion_ids)[:, None])[:, 0].tolist()
+    return out
+
+
+def test_turn_states_carry_the_last_state_and_the_penalty():
+    assert turn_states(turns(True), 3) == [1.0, 1.0, 1.0]
+    assert turn_states(turns(False, True), 3, turn_penalty=0.1) == pytest.approx([0.0, 0.9, 0.9])
+    assert turn_states(turns(False, False, False), 3) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="1..2 turns, got 3"):
+        turn_states(turns(False, False, True), 2)
+    with pytest.raises(ValueError, match="every turn needs its reward"):
+        turn_states([{"reward": None}], 2)
+
+
+def test_turn_advantages_by_hand():
+    states = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    adv = turn_advantages("grpo", states, 3)
+    torch.testing.assert_close(adv[:, 0], compute_advantages("grpo", states[:, 0], 3))   # turn 1: single-turn GRPO
+    # turn 2: mean 2/3, std sqrt(1/3): the fix +0.577, the second failure -1.155
+    torch.testing.assert_close(adv[1:, 1], torch.tensor([1 / 3, -2 / 3]) / (1 / 3) ** 0.5, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="2-D"):
+        turn_advantages("grpo", states[:, 0], 3)
+
+
+def test_spread_over_turns_puts_each_turns_advantage_on_its_answer():
+    got = spread_over_turns(torch.tensor([0.5, -2.0]), torch.tensor([1, 1, 0, 0, 1]))
+    assert got.tolist() == [0.5, 0.5, 0.0, 0.0, -2.0]
+    with pytest.raises(ValueError, match="2 answers but there are advantages for 1 turns"):
+        spread_over_turns(torch.tensor([0.5]), torch.tensor([1, 0, 1]))
+
+
+def test_the_fixed_episodes_wrong_first_answer_is_pushed_down_only_with_turn_credit():
+    eos = tiny.tokenizer().eos_token_id
+    for shared in (True, False):
+        signs = {}
+        for per_turn in (False, True):
+            samples = group(per_turn)
+            t = Capture(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(updates_per_batch=1), RLConfig())
+            t.share_prompts = shared
+            t.train_wave(t.assign_advantages(samples))
+            fixed = samples[1]
+            g = logit_grads(t)[tuple(fixed.completion_ids)]                    # [c, V]
+            chosen = g.gather(1, torch.tensor(fixed.completion_ids)[:, None])[:, 0]
+            # d loss / d chosen logit: < 0 pushes the token up, > 0 down; observation tokens: exactly 0
+            signs[per_turn] = [1 if x > 0 else -1 if x < 0 else 0 for x in chosen.tolist()]
+        assert signs[False] == [-1, -1, -1, 0, 0, -1, -1, -1]                 # trajectory: all of it up
+        assert signs[True] == [1, 1, 1, 0, 0, -1, -1, -1]                     # turn: a1 down, the fix up
+        assert fixed.completion_ids[2] == eos
+
+
+def test_a_group_with_equal_final_rewards_still_trains_on_its_first_turn():
+    """Both episodes pass in the end, one only after a revision: the trajectory's rewards are equal (the
+    group is dropped as zero-variance); per turn, turn 1 differs, so the group trains."""
+    t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig())
+    both_pass = group(True)[:2]
+    assert t.assign_advantages(group(False)[:2]) == []
+    first, fixed = t.assign_advantages(both_pass)
+    assert first.advantage is None and first.token_advantages == pytest.approx([2 ** -0.5] * 3, rel=1e-5)
+    assert fixed.token_advantages == pytest.approx([-(2 ** -0.5)] * 3 + [0.0] * 5, rel=1e-5)   # turn 2: no variance, 0
+
+
+def test_turn_credit_needs_every_samples_turn_rewards_and_a_group_estimator():
+    mixed = group(True)
+    mixed[0].turn_rewards = None
+    t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig())
+    with pytest.raises(ValueError, match="per-turn credit"):
+        t.assign_advantages(mixed)
+    with pytest.raises(ValueError, match=r"does not combine with rl.estimator 'gae' or rl.kl_in_reward"):
+        NightlyConfig(agent=AgentConfig(turns=2, credit="turn"), rl=RLConfig(estimator="gae", kl_in_reward=True))
+
+
+def test_from_a_scored_frame_to_stored_token_advantages():
+    """`train_samples` gives each episode its states after every turn (agent.credit turn only); what
+    the trainer assigns is what `with_advantages` stores."""
+    rows = []
+    for i, ts in enumerate([turns(True), turns(False, True)]):
+        n = 3 if len(ts) == 1 else 8
+        rows.append({"run_id": "r", "step": 0, "policy_version": 0, "task_id": "t", "family": "f", "difficulty": 1,
+                     "group_id": "a", "sample_idx": i, "prompt": "p", "completion": "c", "prompt_tokens": 1,
+                     "completion_tokens": n, "completion_ids": list(range(20, 20 + n)), "behavior_logprobs": [-1.0] * n,
+                     "loss_mask": None if n == 3 else [1, 1, 1, 0, 0, 1, 1, 1], "reward": 1.0, "env_error": False,
+                     "turns": [{"turn": k, "action": "a", "observation": None, "action_tokens": 3,
+                                "observation_tokens": 0, "metrics": None, "feedback": None, "passed": t["passed"],
+                                "reward": t["reward"], "env_error": False} for k, t in enumerate(ts)]})
+    frame = trajectories_frame(rows)
+    cfg = NightlyConfig(rollout=RolloutConfig(group_size=2), agent=AgentConfig(turns=2, credit="turn"))
+    samples = train_samples(frame, lambda ps: [[1, 2] for _ in ps], cfg)
+    assert [s.turn_rewards for s in samples] == [[1.0, 1.0], [0.0, 1.0]]
+    assert all(s.turn_rewards is None for s in train_samples(frame, lambda ps: [[1, 2] for _ in ps],
+                                                               cfg.model_copy(update={"agent": AgentConfig(turns=2)})))
+    trainer = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), cfg.rl)
+    stored = with_advantages(frame, trainer.assign_advantages(samples))
+    assert stored["advantage"].to_list() == [None, None]
+    assert stored["token_advantages"].to_list()[1][3:5] == [0.0, 0.0]
+    assert stored["token_advantages"].to_list()[1][0] < 0 < stored["token_advantages"].to_list()[0][0]
