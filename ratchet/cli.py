@@ -122,8 +122,8 @@ def run(
     except Interrupted as e:
         interrupted(e.signum)
     except Exception as e:   # the flow has logged the traceback; the last line says what failed
-        if stop_signal() is not None:   # our Interrupted, converted by a library it was raised in
-            interrupted(stop_signal())
+        if (signum := stop_signal()) is not None:   # our Interrupted, converted by a library it was raised in
+            interrupted(signum)
         if os.environ.get("RATCHET_DEBUG"):
             raise
         _quiet_prefect_exit()

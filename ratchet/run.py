@@ -50,8 +50,8 @@ def outcome(exc: BaseException) -> str:
     """One line saying how an attempt ended."""
     if isinstance(exc, Interrupted):
         return f"interrupted: {exc.args[0]}"
-    if stop_signal() is not None:   # the Interrupted raised by request_stop, converted on its way up
-        return f"interrupted: {signal.Signals(stop_signal()).name}"
+    if (signum := stop_signal()) is not None:   # the Interrupted raised by request_stop, converted on its way up
+        return f"interrupted: {signal.Signals(signum).name}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted: SIGINT"
     signum = getattr(exc, "signal", None)   # an orchestrator's termination exception (Prefect's TerminationSignal)

@@ -87,6 +87,14 @@ def lr_factor(step: int, warmup: int, schedule: str = "constant", decay_steps: i
     return 1.0
 
 
+def _by_size(groups) -> dict[int, list[TrainSample]]:
+    """The groups' samples, flattened per group size: a group estimator takes [B*G] with one G."""
+    out: dict[int, list[TrainSample]] = {}
+    for rows in groups:
+        out.setdefault(len(rows), []).extend(rows)
+    return out
+
+
 SUMMED_METRICS = ("pg_loss", "value_loss")  # micro-batch values add up to the minibatch's
 
 
@@ -170,12 +178,8 @@ class Trainer(ABC):
             return self._turn_advantages(list(groups.values()))
         kept = [s for rows in groups.values() for s in rows]
         rewards = self._token_pass(kept, kl_reward) if kl_reward else {id(s): s.reward for s in kept}
-        by_size: dict[int, list[list[TrainSample]]] = {}
-        for rows in groups.values():
-            by_size.setdefault(len(rows), []).append(rows)
         out: dict[int, float] = {}
-        for size, batch in by_size.items():   # one vectorised call per group size
-            flat = [s for rows in batch for s in rows]
+        for size, flat in _by_size(groups.values()).items():   # one vectorised call per group size
             adv = compute_advantages(self.rl.estimator, torch.tensor([float(rewards[id(s)]) for s in flat]), size)
             out.update({id(s): float(a) for s, a in zip(flat, adv)})                      # [B*G]
         return [replace(s, advantage=out[id(s)]) for s in kept]
@@ -183,11 +187,8 @@ class Trainer(ABC):
     def _turn_advantages(self, groups: list[list[TrainSample]]) -> list[TrainSample]:
         """Per-turn credit: the estimator per turn over the groups' state values (`turn_advantages`),
         each answer's tokens given its turn's advantage (`spread_over_turns`)."""
-        by_size: dict[int, list[TrainSample]] = {}
-        for rows in groups:
-            by_size.setdefault(len(rows), []).extend(rows)
         out: dict[int, list[float]] = {}
-        for size, flat in by_size.items():   # one call per turn and group size
+        for size, flat in _by_size(groups).items():   # one call per turn and group size
             adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size)  # [B*G, K]
             out.update({id(s): spread_over_turns(a, loss_mask_of(s)).tolist() for s, a in zip(flat, adv)})
         return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
@@ -333,11 +334,8 @@ class Trainer(ABC):
             with torch.no_grad():
                 ref, _ = token_logprobs(self.ref_model, ids, attn, self.temperature)
         if self.ppo:
-            width = ids.shape[1] - 1
-            adv, returns, old_values = (place_tokens(micro, [torch.tensor(getattr(s, f)) for s in micro], width).to(dev)
-                                        for f in ("token_advantages", "returns", "old_values"))  # [N, L-1] each
-        elif micro[0].token_advantages is not None:   # per-turn credit
-            adv = place_tokens(micro, [torch.tensor(s.token_advantages) for s in micro], ids.shape[1] - 1).to(dev)
+            returns, old_values = (place_tokens(micro, [torch.tensor(getattr(s, f)) for s in micro], ids.shape[1] - 1).to(dev)
+                                   for f in ("returns", "old_values"))                            # [N, L-1] each
         loss, m = self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
         if self.ppo:
             v_loss = value_loss(values[:, :-1], returns, old_values, mask, denom=n_tokens)  # token mean
@@ -350,10 +348,6 @@ class Trainer(ABC):
         rl, dev = self.rl, self.device
         prompt_ids, prompt_attn, index, comp_ids, comp_attn, mask, behavior, adv = (
             t.to(dev) for t in collate_shared(micro, self.pad_id))       # attention on observations, loss not
-        if micro[0].token_advantages is not None:   # per-turn credit: [N, C]
-            adv = torch.zeros_like(mask)
-            for b, s in enumerate(micro):
-                adv[b, :len(s.token_advantages)] = torch.tensor(s.token_advantages)
         logits, _ = self._forward(prompt_ids, prompt_attn, False, (index, comp_ids, comp_attn))  # [N, C, V]
         z = logits.float() / self.temperature
         logp = torch.log_softmax(z, dim=-1).gather(2, comp_ids[:, :, None]).squeeze(2)        # [N, C]

@@ -77,7 +77,8 @@ def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSa
 
 def collate(samples: list[TrainSample], pad_id: int):
     """Right-padded ids [N, L], attention [N, L] (1 on every real token, observations included);
-    completion-aligned loss mask (1 on action tokens only) / behaviour [N, L-1], adv [N]."""
+    completion-aligned loss mask (1 on action tokens only) / behaviour [N, L-1], the advantages
+    (`advantages_of`: [N], or [N, L-1] aligned like the mask)."""
     L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     N = len(samples)
     ids = torch.full((N, L), pad_id, dtype=torch.long)
@@ -90,8 +91,7 @@ def collate(samples: list[TrainSample], pad_id: int):
         attn[b, :p + c] = 1
         mask[b, p - 1:p + c - 1] = loss_mask_of(s)         # position t predicts token t+1
         behavior[b, p - 1:p + c - 1] = torch.tensor(s.behavior_logprobs)
-    adv = torch.tensor([s.advantage or 0.0 for s in samples])   # [N] (gae: token_advantages instead)
-    return ids, attn, mask, behavior, adv
+    return ids, attn, mask, behavior, advantages_of(samples, [len(s.prompt_ids) - 1 for s in samples], L - 1)
 
 
 def pack_by_prompt(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
@@ -121,7 +121,8 @@ def pack_by_prompt(samples: list[TrainSample], budget: int) -> list[list[TrainSa
 def collate_shared(samples: list[TrainSample], pad_id: int):
     """Prompt-shared layout: unique prompts left-padded [U, P] (+ attention), the row -> prompt
     index [N], completions right-padded [N, C] (+ attention [N, C], 1 on every real token: observations
-    are attended to), the loss mask [N, C] (1 on action tokens only), behaviour [N, C], adv [N]."""
+    are attended to), the loss mask [N, C] (1 on action tokens only), behaviour [N, C], the advantages
+    (`advantages_of`: [N] or [N, C])."""
     prompts: dict[tuple[int, ...], int] = {}
     index = [prompts.setdefault(tuple(s.prompt_ids), len(prompts)) for s in samples]
     U, P = len(prompts), max(len(p) for p in prompts)
@@ -141,8 +142,22 @@ def collate_shared(samples: list[TrainSample], pad_id: int):
         comp_attn[b, :c] = 1
         mask[b, :c] = loss_mask_of(s)
         behavior[b, :c] = torch.tensor(s.behavior_logprobs)
-    adv = torch.tensor([s.advantage or 0.0 for s in samples])                # [N]
+    adv = advantages_of(samples, [0] * N, C)
     return prompt_ids, prompt_attn, torch.tensor(index), comp_ids, comp_attn, mask, behavior, adv
+
+
+def advantages_of(samples: list[TrainSample], starts: list[int], width: int) -> Tensor:
+    """The loss's advantages: one per sequence [N]; or, when any sample carries per-token ones (GAE,
+    per-turn credit), [N, width] with each sample's completion from its `starts` column (a sample
+    without them has its sequence advantage on every completion token)."""
+    if all(s.token_advantages is None for s in samples):
+        return torch.tensor([s.advantage or 0.0 for s in samples])                           # [N]
+    out = torch.zeros((len(samples), width))
+    for b, (s, start) in enumerate(zip(samples, starts)):
+        c = len(s.completion_ids)
+        out[b, start:start + c] = (torch.tensor(s.token_advantages) if s.token_advantages is not None
+                                   else s.advantage or 0.0)
+    return out                                                                               # [N, width]
 
 
 def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int) -> Tensor:
