@@ -60,7 +60,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
     return NightlyConfig(
         run_id=run_id, steps=10_000, checkpoint_every=10_000, store=StoreConfig(uri=store),
         envs=EnvsConfig(families=("python_functions",), n_train=args.train_tasks, n_heldout=args.eval_tasks),
-        model=ModelConfig(path=model_path, max_seq_len=args.context),
+        model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
@@ -166,6 +166,7 @@ def main() -> None:
                    help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
+    p.add_argument("--sft-steps", type=int, default=130, help="model.sft_steps of the shared warm start")
     p.add_argument("--context", type=int, default=384, help="model.max_seq_len of the embedded model")
     p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated")
     p.add_argument("--train-tasks", type=int, default=3000, help="training tasks produced (and audited)")
