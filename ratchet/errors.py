@@ -12,6 +12,8 @@ answers 5xx or is briefly down. Anything not known to be transient is treated as
 
 from __future__ import annotations
 
+import functools
+
 _NOT_TRANSIENT_OS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 _SERVER_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
 
@@ -23,6 +25,30 @@ class TransientError(RuntimeError):
 class StoreUnavailable(RuntimeError):
     """The store stayed unreachable past its retry budget. Not retried again by a task: the
     budget was the retry; one line names the store and the operation."""
+
+
+def picklable(cls):
+    """Class decorator for an exception whose `__init__` takes other arguments than its message:
+    pickling it (a process pool, Ray, Prefect's result store) keeps the arguments it was raised with
+    and calls `__init__` with them again. Without it, unpickling calls `cls(message)`, which fails
+    with a TypeError that hides the error: a ProcessPoolExecutor then reports only BrokenProcessPool.
+    A subclass with an `__init__` of its own needs the decorator too."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._init_args = (args, kwargs)   # set last: a decorated subclass's arguments win over its base's
+
+    def __reduce__(self):
+        return _rebuild, (type(self), *self._init_args)
+
+    cls.__init__, cls.__reduce__ = __init__, __reduce__
+    return cls
+
+
+def _rebuild(cls, args: tuple, kwargs: dict):
+    return cls(*args, **kwargs)
 
 
 def is_transient(exc: BaseException | None) -> bool:

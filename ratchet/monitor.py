@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ratchet.config import MonitorConfig
+from ratchet.errors import picklable
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Alarm:
                 "values": list(self.values), "threshold": self.threshold, "rule": self.rule, "message": self.message()}
 
 
+@picklable
 class HealthCheckFailed(RuntimeError):
     """A health monitor tripped: the run stops before promotion. Deterministic (never retried)."""
 

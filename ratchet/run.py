@@ -14,6 +14,7 @@ import signal
 from contextlib import contextmanager
 from typing import Iterator
 
+from ratchet.errors import picklable
 from ratchet.scratch import remove_stale_scratch
 from ratchet.store import ArtifactStore, RunLease
 from ratchet.summary import begin_attempt, end_attempt
@@ -22,6 +23,7 @@ from ratchet.train.checkpoint import clean_partial
 log = logging.getLogger(__name__)
 
 
+@picklable
 class Interrupted(KeyboardInterrupt):
     """SIGTERM (or SIGINT) asked the run to stop; it is resumable from its last checkpoint."""
 

@@ -36,6 +36,7 @@ from ratchet.data.schemas import (
     TRAJECTORY_SCHEMA,
     schema_diff,
 )
+from ratchet.errors import picklable
 
 N_EXAMPLES = 5
 
@@ -98,6 +99,7 @@ class GateReport:
         return "\n".join(lines) + "\n"
 
 
+@picklable
 class GateError(Exception):
     """A gate failed; `.report` has every failed expectation, `str()` is its Markdown."""
 

@@ -41,11 +41,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ratchet.errors import picklable
 from ratchet.model import load_policy
 from ratchet.rollout.engine import Rollout
 from ratchet.rollout.torch_engine import TorchEngine
 
 
+@picklable
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from ratchet import faults
+from ratchet.errors import picklable
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "ratchet-manifest/1"
@@ -34,6 +35,7 @@ RESERVED = ".ratchet"
 CHUNK = 1 << 20
 
 
+@picklable
 class IntegrityError(Exception):
     """Stored bytes do not match the sha256 they were written (or referenced) with."""
 

@@ -52,6 +52,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+from ratchet.errors import picklable
 from ratchet.scratch import alive
 from ratchet.store.base import ArtifactStore, IntegrityError
 
@@ -81,6 +82,7 @@ def _who(rec: dict[str, Any]) -> str:
     return f"owner {rec.get('owner')!r} (host {rec.get('host')}, pid {rec.get('pid')})"
 
 
+@picklable
 class LeaseHeld(RuntimeError):
     """Another live owner holds the run's lease."""
 

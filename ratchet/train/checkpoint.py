@@ -27,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from ratchet import faults
+from ratchet.errors import picklable
 from ratchet.store import MANIFEST, ArtifactStore, IntegrityError, Ref
 from ratchet.scratch import scratch_dir
 
@@ -38,6 +39,7 @@ errors (S3Error, OSError other than FileNotFoundError) are not among them: an un
 must stop the run, not make it skip to an older checkpoint."""
 
 
+@picklable
 class NoUsableCheckpoint(RuntimeError):
     """The run has checkpoints (or a LATEST) but none of them verifies."""
 

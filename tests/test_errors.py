@@ -1,0 +1,56 @@
+"""ratchet's exceptions cross process boundaries intact (`ratchet.errors.picklable`).
+
+An exception whose __init__ takes other arguments than its message used to unpickle as
+`cls(message)`: a TypeError, which a ProcessPoolExecutor reports as BrokenProcessPool, hiding
+the error (bench.multiturn lost a held-out evaluation's IntegrityError that way).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from ratchet.data.gates import GateError, GateReport
+from ratchet.monitor import Alarm, HealthCheckFailed
+from ratchet.rollout.server import BadRequest
+from ratchet.run import Interrupted
+from ratchet.store.base import IntegrityError
+from ratchet.store.lease import LeaseHeld
+from ratchet.train.checkpoint import NoUsableCheckpoint
+
+ALARM = Alarm(monitor="entropy_collapse", signal="sampled_entropy", wave=7, waves=(6, 7), values=(0.01, 0.02),
+              threshold=0.05, rule="below")
+RAISED = [
+    IntegrityError("runs/r1/waves/000003/scored.parquet", "ab" * 32, "cd" * 32, where="score_wave", hint="rewritten"),
+    Interrupted(signal.SIGTERM),
+    HealthCheckFailed([ALARM]),
+    GateError(GateReport(gate="wave", success=False, rows=3, checks=["reward_in_range"], failures=[], source="s.parquet")),
+    LeaseHeld("r1", {"owner": "someone", "host": "h", "pid": 12, "heartbeat_at": 100.0, "ttl_s": 30}, now=110.0),
+    NoUsableCheckpoint("r1", "file:///tmp/store", [("000004", "sha256 mismatch")]),
+    BadRequest("max_tokens too large", param="max_tokens", status=422),
+]
+
+
+@pytest.mark.parametrize("exc", RAISED, ids=lambda e: type(e).__name__)
+def test_an_exception_unpickles_as_itself(exc):
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc)
+    assert str(back) == str(exc)
+    assert {k: v for k, v in vars(back).items()} == {k: v for k, v in vars(exc).items()}
+
+
+def _corrupt_read(key: str):
+    raise IntegrityError(key, "ab" * 32, "cd" * 32, where="evaluate")
+
+
+def test_a_child_process_error_reaches_the_parent_as_itself():
+    """Through a real spawned process pool: the parent sees the IntegrityError, not BrokenProcessPool."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        future = pool.submit(_corrupt_read, "envs/python_functions/v1/heldout_passed.parquet")
+        with pytest.raises(IntegrityError, match="heldout_passed.parquet' in evaluate") as e:
+            future.result()
+    assert e.value.key == "envs/python_functions/v1/heldout_passed.parquet"
