@@ -3,6 +3,7 @@
     python -m bench.multiturn                       # ~30 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
+    python -m bench.multiturn --sft-steps 400       # a longer warm start (model.sft_steps; default 130, as make run's)
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -205,7 +206,7 @@ def main() -> None:
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 
