@@ -136,7 +136,7 @@ def test_completion_cannot_rewrite_the_tests():
     for spec in (pyt, script):
         p = build_payload(spec, TAMPER)
         payloads.append(Payload(program=p.program, files={**p.files, **p.readonly_files}, python=p.python, site=p.site, env=p.env))
-    writable_pytest, writable_script = run_many(payloads)
+    writable_pytest, writable_script = run_many(payloads, LIMITS)   # the default 2 s of CPU is about what pytest takes
     # test_a.py was already running when it imported the completion, so it still fails; test_b.py's two
     # hidden tests were replaced by one that passes: 1 of 2 instead of 0 of 3
     assert pytest_counts(writable_pytest.stdout) == {"passed": 1, "failed": 1, "errors": 0}
