@@ -152,18 +152,16 @@ def advantages_of(samples: list[TrainSample], starts: list[int], width: int) -> 
     without them has its sequence advantage on every completion token)."""
     if all(s.token_advantages is None for s in samples):
         return torch.tensor([s.advantage or 0.0 for s in samples])                           # [N]
-    out = torch.zeros((len(samples), width))
-    for b, (s, start) in enumerate(zip(samples, starts)):
-        c = len(s.completion_ids)
-        out[b, start:start + c] = (torch.tensor(s.token_advantages) if s.token_advantages is not None
-                                   else s.advantage or 0.0)
-    return out                                                                               # [N, width]
+    per_token = [torch.tensor(s.token_advantages) if s.token_advantages is not None
+                 else torch.full((len(s.completion_ids),), s.advantage or 0.0) for s in samples]
+    return place_tokens(samples, per_token, width, starts)                                   # [N, width]
 
 
-def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int) -> Tensor:
-    """Per-sample completion vectors ([c] each) -> [N, width] aligned like `collate`'s mask."""
+def place_tokens(samples: list[TrainSample], values: list[Tensor], width: int, starts: list[int] | None = None) -> Tensor:
+    """Per-sample completion vectors ([c] each) -> [N, width], sample b's from column starts[b]
+    (default: aligned like `collate`'s mask, from its prompt length - 1)."""
+    starts = starts if starts is not None else [len(s.prompt_ids) - 1 for s in samples]
     out = torch.zeros((len(samples), width))
-    for b, (s, v) in enumerate(zip(samples, values)):
-        p = len(s.prompt_ids)
-        out[b, p - 1:p - 1 + v.numel()] = v
+    for b, (v, start) in enumerate(zip(values, starts)):
+        out[b, start:start + v.numel()] = v
     return out
