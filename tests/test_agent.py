@@ -12,6 +12,7 @@ from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
 from ratchet.agent import (CUT, EpisodeResult, episode_metrics, fit_observation, render_observation, revision_demos,
                            run_episodes, turn_records)
 from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
+from ratchet.eval import evaluate
 from ratchet.model import build_model, build_tokenizer
 from ratchet.rollout.episodes import Episode, Turn
 from ratchet.rollout.torch_engine import TorchEngine
@@ -109,6 +110,15 @@ def test_without_stop_on_pass_a_passing_episode_goes_on(engine, stopping):
         assert r.episode.turns[0].action_ids == first[i].episode.turns[0].action_ids
     assert any(r.verifications[0].passed and len(r.episode.turns) > 1 for r in going)
 
+
+def test_a_k_turn_evaluation_counts_turns_and_tokens_as_the_waves_do(engine):
+    """evaluate(agent=K turns) reports `episode_metrics` of the same greedy episodes: the tokens too
+    (they were 0.0 when the evaluation kept only each answer's verdict)."""
+    agent = AgentConfig(turns=3, observation_tokens=BUDGET)
+    figures = evaluate(engine, SPECS, VERIFY, max_new_tokens=6, agent=agent).summary()["turns"]
+    episodes = run_episodes(engine, SPECS, 1, agent, VERIFY, max_new_tokens=6, greedy=True)
+    assert figures == episode_metrics([turn_records(r) for r in episodes], 3)
+    assert figures["mean_action_tokens"] > 0 and figures["mean_observation_tokens"] > 0
 
 def test_a_server_engine_is_refused_by_name():
     from ratchet.rollout.client import HTTPEngine

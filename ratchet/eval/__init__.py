@@ -47,7 +47,7 @@ def source_of(spec: TaskSpec) -> str:
 @dataclass
 class EvalResult:
     rows: pl.DataFrame   # one row per (task, sample): task_id, family, source, difficulty, sample, completion, env_error,
-                         # passed (the last answer), turns_passed (whether each answer passed: one per turn taken)
+                         # passed (the last answer), turns (per answer taken: passed, action_tokens, observation_tokens)
     samples: int         # k, samples per task
     turns: int = 1       # K, most answers per episode (1: single-turn)
 
@@ -114,8 +114,8 @@ class EvalResult:
         if self.turns > 1:
             from ratchet.agent import episode_metrics
 
-            out["turns"] = episode_metrics([[{"passed": p, "env_error": e} for p in passes] for passes, e
-                                            in self.rows.select("turns_passed", "env_error").iter_rows()], self.turns)
+            out["turns"] = episode_metrics([[{**t, "env_error": e} for t in turns] for turns, e
+                                            in self.rows.select("turns", "env_error").iter_rows()], self.turns)
         return out
 
 
@@ -139,7 +139,9 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         owner = [specs[e.episode.prompt_index] for e in episodes]
         completions = [e.episode.turns[-1].action_text for e in episodes]
         env_error = [e.env_error for e in episodes]
-        verdicts = [[v is not None and not v.env_error and v.passed for v in e.verifications] for e in episodes]
+        turns = [[{"passed": v is not None and not v.env_error and v.passed, "action_tokens": len(t.action_ids),
+                   "observation_tokens": len(t.observation_ids)} for t, v in zip(e.episode.turns, e.verifications)]
+                 for e in episodes]
     else:
         rollouts = engine.generate([s.prompt for s in specs], n=samples, **sampling)
         owner = [specs[r.prompt_index] for r in rollouts]
@@ -147,7 +149,8 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         results = verify_many(list(zip(owner, completions)), verify.sandbox_limits(), verify.concurrency,
                               verify.env_error_retries, executor=executor)
         env_error = [v.env_error for v in results]
-        verdicts = [[v.passed] for v in results]
+        turns = [[{"passed": v.passed, "action_tokens": len(r.completion_ids), "observation_tokens": 0}]
+                 for r, v in zip(rollouts, results)]
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in owner],
         "family": [s.family for s in owner],
@@ -156,9 +159,11 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         "sample": [i % samples for i in range(len(owner))],
         "completion": completions,
         "env_error": env_error,
-        "passed": [v[-1] for v in verdicts],
-        "turns_passed": verdicts,
-    }, schema_overrides={"difficulty": pl.Int64, "sample": pl.Int64, "turns_passed": pl.List(pl.Boolean)})
+        "passed": [t[-1]["passed"] for t in turns],
+        "turns": turns,
+    }, schema_overrides={"difficulty": pl.Int64, "sample": pl.Int64,
+                         "turns": pl.List(pl.Struct({"passed": pl.Boolean, "action_tokens": pl.Int64,
+                                                     "observation_tokens": pl.Int64}))})
     return EvalResult(rows=rows, samples=samples, turns=agent.turns if agent is not None else 1)
 
 

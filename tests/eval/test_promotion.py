@@ -7,6 +7,7 @@ import pytest
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
 from ratchet.config import EvalConfig, VerifyConfig
 from ratchet.eval import evaluate, should_promote
+from ratchet.rollout.engine import Rollout
 
 
 def _solved(ids: range, n: int = 300) -> dict[str, bool | None]:
@@ -41,10 +42,7 @@ class _Engine:
         self.answers = answers
 
     def generate(self, prompts, n=1, max_new_tokens=48, greedy=False, batch_size=128, **_):
-        class R:
-            def __init__(self, i, text):
-                self.prompt_index, self.text = i, text
-        return [R(i, self.answers[p]) for i, p in enumerate(prompts)]
+        return [Rollout(i, [], [], [], self.answers[p], True) for i, p in enumerate(prompts)]
 
 
 def _task(i: int, difficulty: int) -> TaskSpec:

@@ -16,6 +16,7 @@ from ratchet.config import EvalConfig, VerifyConfig
 from ratchet.eval import evaluate, should_promote
 from ratchet.eval.report import vertical_table
 from ratchet.eval.stats import pass_at_k
+from ratchet.rollout.engine import Rollout
 
 
 class _Engine:
@@ -26,11 +27,7 @@ class _Engine:
 
     def generate(self, prompts, n=1, max_new_tokens=48, greedy=False, temperature=1.0, batch_size=128, seed=None, **_):
         self.calls.append({"n": n, "greedy": greedy, "temperature": temperature, "seed": seed})
-
-        class R:
-            def __init__(self, i, text):
-                self.prompt_index, self.text = i, text
-        return [R(i, self.answers[p][j]) for i, p in enumerate(prompts) for j in range(n)]
+        return [Rollout(i, [], [], [], self.answers[p][j], True) for i, p in enumerate(prompts) for j in range(n)]
 
 
 def _task(i: int, family: str, difficulty: int, source: str | None = None) -> TaskSpec:
