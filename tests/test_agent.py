@@ -120,6 +120,7 @@ def test_a_k_turn_evaluation_counts_turns_and_tokens_as_the_waves_do(engine):
     assert figures == episode_metrics([turn_records(r) for r in episodes], 3)
     assert figures["mean_action_tokens"] > 0 and figures["mean_observation_tokens"] > 0
 
+
 def test_a_server_engine_is_refused_by_name():
     from ratchet.rollout.client import HTTPEngine
     with pytest.raises(TypeError, match="in-process torch engine.*not HTTPEngine"):

@@ -133,14 +133,13 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
                     seed=None if greedy else seed)
     executor = executor_for(verify)
     if agent is not None and agent.turns > 1:
-        from ratchet.agent import run_episodes
+        from ratchet.agent import run_episodes, turn_records
 
         episodes = run_episodes(engine, specs, samples, agent, verify, executor=executor, **sampling)
         owner = [specs[e.episode.prompt_index] for e in episodes]
         completions = [e.episode.turns[-1].action_text for e in episodes]
         env_error = [e.env_error for e in episodes]
-        turns = [[{"passed": v is not None and not v.env_error and v.passed, "action_tokens": len(t.action_ids),
-                   "observation_tokens": len(t.observation_ids)} for t, v in zip(e.episode.turns, e.verifications)]
+        turns = [[{k: t[k] for k in ("passed", "action_tokens", "observation_tokens")} for t in turn_records(e)]
                  for e in episodes]
     else:
         rollouts = engine.generate([s.prompt for s in specs], n=samples, **sampling)
