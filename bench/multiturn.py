@@ -7,7 +7,8 @@
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
-   (`agent.revision_demos`: a wrong attempt, the sandbox's real feedback on it, the fix), saved as a
+   (`agent.revision_demos`: 1 to K - 1 wrong attempts, each with the sandbox's real feedback on it, then
+   the fix, so that the warm start has seen a revision at every turn of an episode), saved as a
    checkpoint. Both runs of a seed start from it, so they differ only in how they train. Its 400
    SFT steps (make run's 130 leave a model that passes 3% of the held-out tasks: RL from there
    mostly learns what SFT would teach, and no run learns to revise) give ~44% at turn 1.

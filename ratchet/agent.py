@@ -5,7 +5,7 @@
     results[0].episode.turns, results[0].verifications, results[0].final.passed
     episode_metrics([turn_records(r) for r in results], cfg.agent.turns)   # pass rate after turn k, fix rate, ...
     frame = episode_frame(run_id, step, version, specs, results, group_size=4)   # the wave's trajectory rows
-    demos = revision_demos(specs, 0.3, cfg.verify, seed=0)   # (prompt, [(wrong, False), (obs, False), (fix, True)])
+    demos = revision_demos(specs, 0.3, cfg.verify, seed=0, attempts=2)   # (prompt, [(wrong, False), (obs, False), ..., (fix, True)])
 
 `run_episodes` samples with `generate_episodes` (ratchet/rollout/episodes.py: every live episode
 of a batch decodes together, the KV cache is reused across turns) and answers each turn with
@@ -32,6 +32,7 @@ from ratchet.config import AgentConfig, VerifyConfig
 from ratchet.data.schemas import trajectories_frame
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
 from ratchet.scale import executor_for
+from ratchet.train.sft import demo_sequence
 from ratchet.verify import Verification, verify_many
 
 CUT = "...\n"
@@ -197,43 +198,61 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
 
 
 def revision_demos(specs: Sequence[TaskSpec], fraction: float, verify: VerifyConfig, seed: int, *,
-                   tokenizer=None, observation_tokens: int | None = None, max_mutants: int = 4,
+                   tokenizer=None, observation_tokens: int | None = None, attempts: int = 1, max_mutants: int = 4,
                    executor=None) -> list[tuple[str, list[tuple[str, bool]]]]:
     """Revision demonstrations for the warm start: for `fraction` of the specs that have a reference
-    (drawn with `seed`), (prompt, [(wrong, False), (observation, False), (reference, True)]): `wrong` a
-    mutant of the reference (`envs/mutation.py`, as the audit makes them) that the sandbox really
-    fails, the observation rendered from that run's real feedback (cut to `observation_tokens` of
-    `tokenizer` when both are given, as an episode's), and the reference as the fix. The wrong attempt
-    is context, never a target. A task none of whose first `max_mutants` mutants fails (or whose runs
-    are env_errors) gives no demo, so there may be fewer than asked."""
-    attempts = wrong_attempts(specs, fraction, verify, seed, max_mutants=max_mutants, executor=executor)
-    return demos_from(attempts, tokenizer, observation_tokens)
+    (drawn with `seed`), (prompt, [(wrong, False), (observation, False), ..., (reference, True)]): one
+    to `attempts` wrong answers in a row, each followed by the observation of its own sandbox run,
+    then the reference as the fix. A wrong answer is a mutant of the reference (`envs/mutation.py`, as
+    the audit makes them) that the sandbox really fails; its observation is rendered from that run's
+    real feedback (cut to `observation_tokens` of `tokenizer` when both are given, as an episode's).
+    With `attempts` K - 1 the warm start has seen a revision at every turn a K-turn episode reaches,
+    not only the second. Wrong answers are context, never targets. A task none of whose first
+    `max_mutants` mutants fails (or whose runs are env_errors) gives no demo, so there may be fewer
+    than asked."""
+    found = wrong_attempts(specs, fraction, verify, seed, attempts=attempts, max_mutants=max_mutants,
+                           executor=executor)
+    return demos_from(found, tokenizer, observation_tokens)
 
 
 def wrong_attempts(specs: Sequence[TaskSpec], fraction: float, verify: VerifyConfig, seed: int, *,
-                   max_mutants: int = 4, executor=None) -> list[tuple[TaskSpec, str, Verification]]:
-    """The sandbox runs behind `revision_demos`: (spec, wrong attempt, its verdict) per chosen task."""
+                   attempts: int = 1, max_mutants: int = 4,
+                   executor=None) -> list[tuple[TaskSpec, list[tuple[str, Verification]]]]:
+    """The sandbox runs behind `revision_demos`: per chosen task, (spec, [(wrong answer, its verdict), ...]),
+    1 to `attempts` distinct failing mutants (how many is drawn per task with `seed`; fewer when fewer fail)."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"revision_demos: fraction must be in [0, 1], got {fraction}")
+    if attempts < 1:
+        raise ValueError(f"revision_demos: attempts must be at least 1, got {attempts}")
     with_ref = [s for s in specs if s.reference_solution is not None]
     k = round(fraction * len(with_ref))
     chosen = [with_ref[i] for i in sorted(random.Random(f"revision_demos:{seed}").sample(range(len(with_ref)), k))]
-    candidates = [(s, m) for s in chosen for m in task_mutants(s, max_mutants) if m.strip()]
+    wanted = {s.task_id: random.Random(f"revision_demos:{seed}:{s.task_id}").randint(1, attempts) for s in chosen}
+    candidates = [(s, m) for s in chosen for m in dict.fromkeys(task_mutants(s, max(max_mutants, attempts))) if m.strip()]
     results = verify_many(candidates, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
                           feedback_bytes=verify.feedback_bytes,
                           executor=executor if executor is not None else executor_for(verify))
-    out, done = [], set()
+    wrongs: dict[str, list[tuple[str, Verification]]] = {}
     for (spec, wrong), v in zip(candidates, results):
-        if spec.task_id in done or v.env_error or v.passed:
-            continue
-        done.add(spec.task_id)
-        out.append((spec, wrong, v))
-    return out
+        got = wrongs.setdefault(spec.task_id, [])
+        if not (v.env_error or v.passed) and len(got) < wanted[spec.task_id]:
+            got.append((wrong, v))
+    return [(s, wrongs[s.task_id]) for s in chosen if wrongs.get(s.task_id)]
 
 
-def demos_from(attempts: Sequence[tuple[TaskSpec, str, Verification]], tokenizer=None,
-               observation_tokens: int | None = None) -> list[tuple[str, list[tuple[str, bool]]]]:
+def demos_from(attempts: Sequence[tuple[TaskSpec, list[tuple[str, Verification]]]], tokenizer=None,
+               observation_tokens: int | None = None, context: int | None = None) -> list[tuple[str, list[tuple[str, bool]]]]:
     """Revision demos from `wrong_attempts`, their observations cut to the budget when a tokenizer is
-    given (the warm start renders them uncut for its tokenizer's corpus, then cut with that tokenizer)."""
-    return [(spec.prompt, [(wrong, False), (render_observation(spec, v, tokenizer, observation_tokens), False),
-                           (spec.reference_solution, True)]) for spec, wrong, v in attempts]
+    given (the warm start renders them uncut for its tokenizer's corpus, then cut with that tokenizer).
+    With a tokenizer and `context`, a demo keeps only as many wrong answers as fit in that many tokens
+    (as an episode ends when its next turn would not fit); one that does not fit with one is dropped."""
+    demos = []
+    for spec, wrongs in attempts:
+        for n in range(len(wrongs), 0, -1):
+            segments = [seg for wrong, v in wrongs[:n]
+                        for seg in ((wrong, False), (render_observation(spec, v, tokenizer, observation_tokens), False))]
+            demo = (spec.prompt, segments + [(spec.reference_solution, True)])
+            if tokenizer is None or context is None or len(demo_sequence(tokenizer, demo)[0]) <= context:
+                demos.append(demo)
+                break
+    return demos

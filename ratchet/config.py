@@ -248,8 +248,9 @@ class AgentConfig(Frozen):
         "what it fixed. turn needs a group estimator (not gae) and rl.kl_in_reward off.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
-        "reference solution) that get a revision demonstration (a wrong attempt, the sandbox's real feedback on it, "
-        "the fix), so that the model has seen the shape of a revision before RL.")
+        "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "
+        "sandbox's real feedback on it, then the fix), so that the model has seen a revision at every turn an episode "
+        "reaches before RL.")
 
 
 class RLConfig(Frozen):

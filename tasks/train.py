@@ -44,11 +44,12 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
 
             specs = [s for r in train for s in load_specs(r)]
             revisions = None
-            if cfg.agent.revision_demos > 0:   # a wrong attempt, its real feedback, the fix: the shape of a revision
+            if cfg.agent.revision_demos > 0:   # wrong attempts, their real feedback, the fix: the shape of a revision
                 from ratchet.agent import demos_from, wrong_attempts
 
-                attempts = wrong_attempts(specs, cfg.agent.revision_demos, cfg.verify, cfg.model.seed)
-                revisions = lambda tok: demos_from(attempts, tok, cfg.agent.observation_tokens)  # noqa: E731
+                attempts = wrong_attempts(specs, cfg.agent.revision_demos, cfg.verify, cfg.model.seed,
+                                          attempts=max(1, cfg.agent.turns - 1))   # a revision at every turn an episode reaches
+                revisions = lambda tok: demos_from(attempts, tok, cfg.agent.observation_tokens, cfg.model.max_seq_len)  # noqa: E731
                 logger.info("warm start: %d revision demos", len(attempts))
             write = lambda d: warm_start(cfg.model, specs, d, log=logger.info, revisions=revisions)  # noqa: E731
         ref = save_checkpoint(store, run_id, 0, write)

@@ -9,13 +9,14 @@ import pytest
 from envs.episode import observation_parts
 from envs.registry import get_family
 from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
-from ratchet.agent import (CUT, EpisodeResult, episode_metrics, fit_observation, render_observation, revision_demos,
-                           run_episodes, turn_records)
+from ratchet.agent import (CUT, EpisodeResult, demos_from, episode_metrics, fit_observation, render_observation, revision_demos,
+                           run_episodes, turn_records, wrong_attempts)
 from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
 from ratchet.eval import evaluate
 from ratchet.model import build_model, build_tokenizer
 from ratchet.rollout.episodes import Episode, Turn
 from ratchet.rollout.torch_engine import TorchEngine
+from ratchet.train.sft import demo_sequence
 from ratchet.verify import Verification, verify_many
 
 VERIFY = VerifyConfig(timeout_s=5.0, concurrency=2)
@@ -175,23 +176,41 @@ def test_episode_metrics_by_hand():
 
 
 def test_revision_demos_really_fail_then_pass(engine):
+    """Each demo: one or two wrong answers (attempts=2), each really failed by the sandbox and followed by
+    the observation of its own run, then the reference; with a context, only the wrong answers that fit."""
     fams = {name: get_family(name) for name in ("python_functions", "arithmetic", "shell")}
     specs = [f.generate(f.config(), 0, i, 2, "train") for f in fams.values() for i in range(2)]
     specs.append(_command_task("no-ref", "true", "Anything.\n"))          # no reference: never a demo
-    demos = revision_demos(specs, 1.0, VERIFY, seed=0, tokenizer=engine.tokenizer, observation_tokens=32, max_mutants=3)
+    demos = revision_demos(specs, 1.0, VERIFY, seed=0, tokenizer=engine.tokenizer, observation_tokens=32,
+                           attempts=2, max_mutants=3)
     by_prompt = {s.prompt: s for s in specs}
     assert sorted(d[0] for d in demos) == sorted(s.prompt for s in specs[:-1])
-    items = []
+    items, wrongs = [], []
     for prompt, segments in demos:
         spec = by_prompt[prompt]
-        (wrong, t0), (obs, t1), (fix, t2) = segments
-        assert (t0, t1, t2) == (False, False, True) and fix == spec.reference_solution and wrong != fix
-        items += [(spec, wrong), (spec, fix)]
-    verdicts = verify_many(items, VERIFY.sandbox_limits(), 2)
-    for (prompt, segments), bad, good in zip(demos, verdicts[0::2], verdicts[1::2]):
-        assert not bad.passed and not bad.env_error and good.passed
-        # the observation is rendered from the wrong attempt's real feedback, cut as an episode's
-        assert segments[1][0] == render_observation(by_prompt[prompt], bad, engine.tokenizer, 32)
+        *tried, (fix, last) = segments
+        assert len(tried) in (2, 4) and [t for _, t in tried] == [False] * len(tried) and last
+        assert fix == spec.reference_solution and len({w for w, _ in tried[0::2]} | {fix}) == len(tried) // 2 + 1
+        items += [(spec, w) for w, _ in tried[0::2]] + [(spec, fix)]
+        wrongs.append(len(tried) // 2)
+    assert set(wrongs) == {1, 2}                  # how many wrong answers is drawn per task
+    verdicts = iter(verify_many(items, VERIFY.sandbox_limits(), 2))
+    for (prompt, segments), n in zip(demos, wrongs):
+        for k in range(n):
+            bad = next(verdicts)
+            assert not bad.passed and not bad.env_error
+            # each observation is rendered from its wrong answer's real feedback, cut as an episode's
+            assert segments[2 * k + 1][0] == render_observation(by_prompt[prompt], bad, engine.tokenizer, 32)
+        assert next(verdicts).passed
+    found = wrong_attempts(specs, 1.0, VERIFY, seed=0, attempts=2, max_mutants=3)
+    assert demos_from(found, engine.tokenizer, 32) == demos
+    spec, pair = next((s, w) for s, w in found if len(w) == 2)
+    (_, whole), = demos_from([(spec, pair)], engine.tokenizer, 32)
+    (_, first), = demos_from([(spec, pair[:1])], engine.tokenizer, 32)
+    fits_one = len(demo_sequence(engine.tokenizer, (spec.prompt, first))[0])
+    assert len(demo_sequence(engine.tokenizer, (spec.prompt, whole))[0]) > fits_one
+    assert demos_from([(spec, pair)], engine.tokenizer, 32, context=fits_one) == [(spec.prompt, first)]
+    assert demos_from([(spec, pair)], engine.tokenizer, 32, context=fits_one - 1) == []   # not even one fits
     half = revision_demos(specs, 0.5, VERIFY, seed=1, max_mutants=3)
     assert len(half) == 3 and half == revision_demos(specs, 0.5, VERIFY, seed=1, max_mutants=3)
     assert revision_demos(specs, 0.0, VERIFY, seed=1) == []
