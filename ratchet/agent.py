@@ -228,7 +228,7 @@ def wrong_attempts(specs: Sequence[TaskSpec], fraction: float, verify: VerifyCon
     k = round(fraction * len(with_ref))
     chosen = [with_ref[i] for i in sorted(random.Random(f"revision_demos:{seed}").sample(range(len(with_ref)), k))]
     wanted = {s.task_id: random.Random(f"revision_demos:{seed}:{s.task_id}").randint(1, attempts) for s in chosen}
-    candidates = [(s, m) for s in chosen for m in dict.fromkeys(task_mutants(s, max(max_mutants, attempts))) if m.strip()]
+    candidates = [(s, m) for s in chosen for m in task_mutants(s, max(max_mutants, attempts)) if m.strip()]   # distinct
     results = verify_many(candidates, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
                           feedback_bytes=verify.feedback_bytes,
                           executor=executor if executor is not None else executor_for(verify))
@@ -248,10 +248,10 @@ def demos_from(attempts: Sequence[tuple[TaskSpec, list[tuple[str, Verification]]
     (as an episode ends when its next turn would not fit); one that does not fit with one is dropped."""
     demos = []
     for spec, wrongs in attempts:
+        tried = [seg for wrong, v in wrongs
+                 for seg in ((wrong, False), (render_observation(spec, v, tokenizer, observation_tokens), False))]
         for n in range(len(wrongs), 0, -1):
-            segments = [seg for wrong, v in wrongs[:n]
-                        for seg in ((wrong, False), (render_observation(spec, v, tokenizer, observation_tokens), False))]
-            demo = (spec.prompt, segments + [(spec.reference_solution, True)])
+            demo = (spec.prompt, tried[:2 * n] + [(spec.reference_solution, True)])
             if tokenizer is None or context is None or len(demo_sequence(tokenizer, demo)[0]) <= context:
                 demos.append(demo)
                 break
