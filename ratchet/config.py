@@ -242,10 +242,10 @@ class AgentConfig(Frozen):
         "for each turn after the first, so that solving sooner is worth more. 0: the final state's reward alone.")
     credit: Literal["trajectory", "turn"] = Field(
         "trajectory", description="What each answer of an episode is credited with. trajectory: every answer gets "
-        "the episode's advantage (from its final reward). turn: answer k gets the group-relative advantage of the "
-        "state after turn k (the reward of the latest answer so far, less turn_penalty per turn taken; an episode "
-        "that ended keeps its state), so turn 1 learns as a single-turn answer does and a revision is judged by "
-        "what it fixed. turn needs a group estimator (not gae) and rl.kl_in_reward off.")
+        "the episode's advantage (from its final reward). turn: answer 1 gets the group-relative advantage of its "
+        "reward, as a single-turn answer does; a revision (answer k > 1) is compared with the task's other revisions "
+        "at turn k (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
+        "episodes that passed earlier. turn needs a group estimator (not gae) and rl.kl_in_reward off.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
         "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "

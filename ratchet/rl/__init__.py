@@ -12,6 +12,7 @@ tensors (and float metrics) back. Tests: `pytest tests/rl -q`.
 from ratchet.rl.advantages import (
     ESTIMATORS,
     TOKEN_LEVEL_ESTIMATORS,
+    answer_count,
     compute_advantages,
     gae,
     keep_mask,
@@ -28,6 +29,7 @@ __all__ = [
     "ESTIMATORS",
     "TOKEN_LEVEL_ESTIMATORS",
     "aggregate",
+    "answer_count",
     "compute_advantages",
     "entropy_from_logits",
     "gae",

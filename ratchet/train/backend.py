@@ -30,8 +30,9 @@ first token of answer k + 1 (whose value V(s) has read the observation), with no
 the observation's length; the outcome reward sits on the last action token, and advantages are
 whitened over the wave's action tokens. With loss_mask None nothing changes, bit for bit.
 Per-turn credit (`TrainSample.turn_rewards`, `AgentConfig.credit` "turn"): the group estimator
-runs once per turn over the episodes' state values after that turn, and each answer's tokens
-get their turn's advantage (`token_advantages`; observation tokens 0).
+runs once per turn over the state values after that turn of the episodes that answered it (turn 1:
+the whole group; turn k: its revisions), and each answer's tokens get their turn's advantage
+(`token_advantages`; observation tokens 0).
 
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
 forwarded at all; they still count in the normaliser, so the gradient does not change.
@@ -53,6 +54,7 @@ from torch import Tensor
 
 from ratchet.config import RLConfig, TrainConfig
 from ratchet.rl import (
+    answer_count,
     compute_advantages,
     entropy_from_logits,
     gae,
@@ -185,12 +187,15 @@ class Trainer(ABC):
         return [replace(s, advantage=out[id(s)]) for s in kept]
 
     def _turn_advantages(self, groups: list[list[TrainSample]]) -> list[TrainSample]:
-        """Per-turn credit: the estimator per turn over the groups' state values (`turn_advantages`),
-        each answer's tokens given its turn's advantage (`spread_over_turns`)."""
+        """Per-turn credit: the estimator per turn over the groups' state values, a revision against the
+        group's other revisions at its turn (`turn_advantages`), each answer's tokens given its turn's
+        advantage (`spread_over_turns`)."""
         out: dict[int, list[float]] = {}
-        for size, flat in _by_size(groups).items():   # one call per turn and group size
-            adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size)  # [B*G, K]
-            out.update({id(s): spread_over_turns(a, loss_mask_of(s)).tolist() for s, a in zip(flat, adv)})
+        for size, flat in _by_size(groups).items():   # one call per group size
+            masks = [loss_mask_of(s) for s in flat]
+            adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size,
+                                  torch.tensor([answer_count(m) for m in masks]))  # [B*G, K]
+            out.update({id(s): spread_over_turns(a, m).tolist() for s, a, m in zip(flat, adv, masks)})
         return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
 
     def _gae_advantages(self, samples: list[TrainSample], kl_reward: bool) -> list[TrainSample]:

@@ -1,5 +1,6 @@
 """Per-turn credit (`agent.credit` "turn"): each answer of an episode is credited with the group-relative
-value of the state it left, not with the episode's final reward.
+value of the state it left, not with the episode's final reward; a revision is compared with the other
+revisions of its task at the same turn.
 
 A hand-built group of three episodes of one task: one passes at turn 1, one fails turn 1 and is fixed
 at turn 2, one fails both. With the trajectory's reward every token of the fixed episode, its wrong
@@ -19,7 +20,7 @@ import torch
 from ratchet.config import AgentConfig, NightlyConfig, RLConfig, RolloutConfig, TrainConfig
 from ratchet.data.schemas import trajectories_frame
 from ratchet.reward.frame import turn_states
-from ratchet.rl import compute_advantages, spread_over_turns, turn_advantages
+from ratchet.rl import answer_count, compute_advantages, spread_over_turns, turn_advantages
 from ratchet.stages import train_samples, with_advantages
 from ratchet.train.batching import TrainSample
 from ratchet.train.torch_trainer import TorchTrainer
@@ -64,13 +65,28 @@ def test_turn_states_carry_the_last_state_and_the_penalty():
 
 
 def test_turn_advantages_by_hand():
-    states = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
-    adv = turn_advantages("grpo", states, 3)
-    torch.testing.assert_close(adv[:, 0], compute_advantages("grpo", states[:, 0], 3))   # turn 1: single-turn GRPO
-    # turn 2: mean 2/3, std sqrt(1/3): the fix +0.577, the second failure -1.155
-    torch.testing.assert_close(adv[1:, 1], torch.tensor([1 / 3, -2 / 3]) / (1 / 3) ** 0.5, rtol=1e-4, atol=1e-4)
+    """Turn 1: GRPO over the whole group; turn k: over the episodes that answered turn k (the revisions),
+    not against the ones that passed earlier; a lone revision gets 0."""
+    states = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    answers = torch.tensor([1, 2, 3, 3])
+    adv = turn_advantages("grpo", states, 4, answers)
+    torch.testing.assert_close(adv[:, 0], compute_advantages("grpo", states[:, 0], 4))   # turn 1: single-turn GRPO
+    # turn 2, among the three revisions (states 1, 0, 0): mean 1/3, std sqrt(1/3)
+    torch.testing.assert_close(adv[1:, 1], torch.tensor([2 / 3, -1 / 3, -1 / 3]) / (1 / 3) ** 0.5, rtol=1e-4, atol=1e-4)
+    # turn 3, between the two third answers (1, 0): +-1/sqrt(2); with the whole group it would be pushed down
+    torch.testing.assert_close(adv[2:, 2], torch.tensor([1.0, -1.0]) * 2 ** -0.5, rtol=1e-4, atol=1e-4)
+    assert adv[0, 1:].tolist() == [0.0, 0.0] and adv[1, 2] == 0.0          # past an episode's last answer
+    lone = turn_advantages("grpo", states[:2], 2, answers[:2])
+    assert lone[1, 1] == 0.0                                                # one revision: nothing to compare with
     with pytest.raises(ValueError, match="2-D"):
-        turn_advantages("grpo", states[:, 0], 3)
+        turn_advantages("grpo", states[:, 0], 4, answers)
+    with pytest.raises(ValueError, match="answers must be"):
+        turn_advantages("grpo", states, 4, answers[:2])
+
+
+def test_answer_count_counts_the_runs_of_the_loss_mask():
+    assert answer_count(torch.tensor([1, 1, 0, 0, 1, 0, 1])) == 3
+    assert answer_count(torch.ones(4)) == 1
 
 
 def test_spread_over_turns_puts_each_turns_advantage_on_its_answer():
