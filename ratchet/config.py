@@ -245,7 +245,8 @@ class AgentConfig(Frozen):
         "the episode's advantage (from its final reward). turn: answer 1 gets the group-relative advantage of its "
         "reward, as a single-turn answer does; a revision (answer k > 1) is compared with the task's other revisions "
         "at turn k (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
-        "episodes that passed earlier. turn needs a group estimator (not gae) and rl.kl_in_reward off.")
+        "episodes that passed earlier. turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
+        "rl.kl_in_reward off.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
         "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "
@@ -459,11 +460,12 @@ class NightlyConfig(Frozen):
     @model_validator(mode="after")
     def _turn_credit_needs_group_advantages(self):
         if self.agent.credit == "turn":
-            bad = [f"rl.estimator {self.rl.estimator!r}"] if self.rl.estimator == "gae" else []
+            bad = [f"rl.estimator {self.rl.estimator!r}"] if self.rl.estimator in ("gae", "reinforce_pp") else []
             bad += ["rl.kl_in_reward"] if self.rl.kl_in_reward else []
             if bad:
-                raise ValueError(f"agent.credit 'turn' computes a group advantage per turn from the episodes' rewards; "
-                                 f"it does not combine with {' or '.join(bad)}")
+                raise ValueError(f"agent.credit 'turn' compares each answer with the other answers of its task at "
+                                 f"its turn (a per-task group estimator: grpo, dr_grpo or rloo); it does not combine "
+                                 f"with {' or '.join(bad)}")
         return self
 
 

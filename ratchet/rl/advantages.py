@@ -138,14 +138,18 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor)
     the other revisions, not against episodes that passed earlier (those would make every revision look
     bad: on the bench's waves they put the mean advantage of second answers at -0.3 to -0.4 and of third
     answers at -0.6 to -0.7, in group-std units). A revision with no other revision of its task to
-    compare with gets 0, as a group of one does; an episode's columns past its last answer are 0."""
+    compare with gets 0, as a group of one does; an episode's columns past its last answer are 0.
+    `name` must be a per-task group estimator (grpo, dr_grpo, rloo): reinforce_pp normalises over the
+    batch, which here would be the revisions of groups with as many revisions as its own."""
     if states.dim() != 2:
         raise ValueError(f"turn_advantages: states must be 2-D [B*G, K], got shape {tuple(states.shape)}")
     if answers.shape != states.shape[:1]:
         raise ValueError(f"turn_advantages: answers must be [B*G] = [{states.shape[0]}], got {tuple(answers.shape)}")
-    out = torch.zeros(states.shape, dtype=torch.get_default_dtype())  # [B*G, K]
-    out[:, 0] = compute_advantages(name, states[:, 0].contiguous(), group_size)
-    rows = torch.arange(states.shape[0]).view(-1, group_size)  # [B, G]
+    first = compute_advantages(name, states[:, 0].contiguous(), group_size)  # [B*G]
+    out = first.new_zeros(states.shape)  # [B*G, K]
+    out[:, 0] = first
+    rows = torch.arange(states.shape[0], device=states.device).view(-1, group_size)  # [B, G]
+    answers = answers.to(states.device)
     for k in range(1, states.shape[1]):
         by_size: dict[int, list[Tensor]] = {}   # the groups' revisions at turn k, by how many (one call per size)
         for group in rows:

@@ -115,6 +115,19 @@ def test_the_fixed_episodes_wrong_first_answer_is_pushed_down_only_with_turn_cre
         assert fixed.completion_ids[2] == eos
 
 
+def test_the_trainer_judges_a_revision_among_the_revisions():
+    """pass | fail, fix | fail, fail: the two second answers are compared with each other (+-1/sqrt(2)),
+    not with the whole group (where the fix would get +0.577 and the failure -1.155)."""
+    t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig())
+    _, fixed, failed = t.assign_advantages(group(True))
+    assert fixed.token_advantages[5:] == pytest.approx([2 ** -0.5] * 3, rel=1e-5)
+    assert failed.token_advantages[5:] == pytest.approx([-(2 ** -0.5)] * 3, rel=1e-5)
+    for estimator, fix in (("dr_grpo", 0.5), ("rloo", 1.0)):
+        t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig(estimator=estimator))
+        _, fixed, failed = t.assign_advantages(group(True))
+        assert (fixed.token_advantages[5], failed.token_advantages[5]) == pytest.approx((fix, -fix), rel=1e-5)
+
+
 def test_a_group_with_equal_final_rewards_still_trains_on_its_first_turn():
     """Both episodes pass in the end, one only after a revision: the trajectory's rewards are equal (the
     group is dropped as zero-variance); per turn, turn 1 differs, so the group trains."""
@@ -134,6 +147,8 @@ def test_turn_credit_needs_every_samples_turn_rewards_and_a_group_estimator():
         t.assign_advantages(mixed)
     with pytest.raises(ValueError, match=r"does not combine with rl.estimator 'gae' or rl.kl_in_reward"):
         NightlyConfig(agent=AgentConfig(turns=2, credit="turn"), rl=RLConfig(estimator="gae", kl_in_reward=True))
+    with pytest.raises(ValueError, match=r"per-task group estimator.*rl.estimator 'reinforce_pp'"):
+        NightlyConfig(agent=AgentConfig(turns=2, credit="turn"), rl=RLConfig(estimator="reinforce_pp"))
 
 
 def test_from_a_scored_frame_to_stored_token_advantages():
