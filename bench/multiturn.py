@@ -15,8 +15,9 @@
 2. Per seed (`train.seed`: which tasks each wave draws and how it samples), two trainings for the
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
    sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
-   by default "turn", each answer credited with the state it left), each for waves until it has
-   sampled the budget (the K-turn run's episodes sample more per prompt, so it sees fewer prompts).
+   by default "turn", each answer credited with the state it left, a revision among the task's other
+   revisions at its turn), each for waves until it has sampled the budget (the K-turn run's episodes
+   sample more per prompt, so it sees fewer prompts).
    The two run side by side in two processes, each on half the cores (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
