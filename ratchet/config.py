@@ -244,7 +244,7 @@ class AgentConfig(Frozen):
         "trajectory", description="What each answer of an episode is credited with. trajectory: every answer gets "
         "the episode's advantage (from its final reward). turn: answer 1 gets the group-relative advantage of its "
         "reward, as a single-turn answer does; a revision (answer 2 or later) is compared with the task's other revisions "
-        "at turn k (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
+        "at its turn (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
         "episodes that passed earlier. turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
         "rl.kl_in_reward off.")
     revision_demos: float = Field(
