@@ -19,6 +19,7 @@ from ratchet.config import AgentConfig, NightlyConfig, RLConfig, RolloutConfig, 
 from ratchet.data.schemas import trajectories_frame
 from ratchet.rl import compute_advantages
 from ratchet.stages import as_first_answer, train_samples, with_advantages
+from ratchet.trace import render_row
 from ratchet.train.torch_trainer import TorchTrainer
 from tests.train import tiny
 from tests.train.test_turn_credit import A2, PROMPT, group, turns
@@ -83,6 +84,8 @@ def test_the_fix_is_scored_as_sampled_at_turn_one():
     stored = with_advantages(frame_of(group(True)), [first, fixed, failed, fix])
     assert stored["hindsight_advantage"].to_list() == [None, pytest.approx(up, rel=1e-5), None]
     assert stored["token_advantages"].to_list()[1] == fixed.token_advantages          # the episode's, kept
+    shown = render_row(stored.row(1, named=True), trained=True)                  # `ratchet trace show`
+    assert f"its fix as a first answer (hindsight): advantage {up:+.3f}" in shown
 
 
 def test_a_group_whose_first_answers_all_failed_learns_turn_one_only_with_hindsight():
