@@ -290,7 +290,8 @@ class Trainer(ABC):
             out.pop("kl", None)
         if self.rl.entropy_coef == 0:
             out.pop("entropy", None)
-        out.update(optimizer_steps=n_updates, train_samples=len(samples))
+        hindsight = sum(s.hindsight for s in samples)   # fixes also trained as first answers (agent.hindsight)
+        out.update(optimizer_steps=n_updates, train_samples=len(samples) - hindsight, hindsight_samples=hindsight)
         return out
 
     def current_lr(self) -> float:

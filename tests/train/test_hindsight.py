@@ -117,8 +117,9 @@ def test_a_training_wave_makes_the_fix_likelier_as_a_first_answer():
                 return float(logp.gather(1, torch.tensor(fix)[:, None]).sum())
 
         before = logp_of_fix()
-        t.train_wave(t.assign_advantages(wave))
+        metrics = t.train_wave(t.assign_advantages(wave))
         gains.append(logp_of_fix() - before)
+        assert (metrics["train_samples"], metrics["hindsight_samples"]) == (3, len(wave) - 3)   # episodes, fixes
     assert gains[0] > 2 * gains[1] > 0
 
 
