@@ -3,7 +3,6 @@
     python -m bench.multiturn                       # ~50 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
-    python -m bench.multiturn --no-hindsight        # the K-turn run does not train its fixes as first answers
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
@@ -17,9 +16,8 @@
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
    sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
    by default "turn", each answer credited with the state it left, a revision among the task's other
-   revisions at its turn; `agent.hindsight` from --hindsight, on by default: each revision that fixed
-   its episode is also trained as a first answer to the bare prompt), each for waves until it has
-   sampled the budget (the K-turn run's episodes sample more per prompt, so it sees fewer prompts).
+   revisions at its turn), each for waves until it has sampled the budget (the K-turn run's episodes
+   sample more per prompt, so it sees fewer prompts).
    The two run side by side in two processes, each on half the cores (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
@@ -70,7 +68,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
-                          credit=args.credit, hindsight=args.hindsight and turns > 1),
+                          credit=args.credit),
         train=TrainConfig(seed=seed),
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
@@ -171,8 +169,6 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
     p.add_argument("--credit", choices=("trajectory", "turn"), default="turn",
                    help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
-    p.add_argument("--hindsight", action=argparse.BooleanOptionalAction, default=True,
-                   help="agent.hindsight of the K-turn run: each fix also trained as a first answer")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--sft-steps", type=int, default=400, help="model.sft_steps of the shared warm start (make run's: 130)")
@@ -214,7 +210,7 @@ def main() -> None:
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "hindsight": args.hindsight, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

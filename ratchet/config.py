@@ -247,11 +247,6 @@ class AgentConfig(Frozen):
         "at its turn (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
         "episodes that passed earlier. turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
         "rl.kl_in_reward off.")
-    hindsight: bool = Field(
-        False, description="Also train each revision that fixed its episode as a first answer to the bare prompt "
-        "(STaR's rationalisation: the feedback was the hint), one more member of its task's group at turn 1, so "
-        "that what the model learned to fix it learns to write at once; tasks whose every first answer failed get "
-        "a turn-1 signal. Needs agent.turns of 2 or more and a group estimator (not gae).")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
         "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "
@@ -460,14 +455,6 @@ class NightlyConfig(Frozen):
         if self.agent.turns > 1 and self.rollout.engine != "torch":
             raise ValueError(f"agent.turns {self.agent.turns}: multi-turn episodes run on the torch engine (they extend "
                              f"each episode's KV cache in place); rollout.engine is {self.rollout.engine!r}")
-        return self
-
-    @model_validator(mode="after")
-    def _hindsight_needs_revisions_and_group_advantages(self):
-        if self.agent.hindsight and (self.agent.turns < 2 or self.rl.estimator == "gae"):
-            why = "agent.turns 1 has no revisions" if self.agent.turns < 2 else "rl.estimator 'gae' has no group"
-            raise ValueError(f"agent.hindsight trains a revision that fixed its episode as one more first answer of "
-                             f"its task's group; {why}")
         return self
 
     @model_validator(mode="after")

@@ -7,8 +7,6 @@ through `tasks/` (load, call one of these, save), to here.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import polars as pl
 
 from envs.sources import curriculum_for
@@ -169,50 +167,19 @@ def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> li
         return []
     prompt_ids = encode_prompts(usable["prompt"].to_list())
     per_turn = cfg.agent.turns > 1 and cfg.agent.credit == "turn"
-    samples = [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
-                           reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"),
-                           turn_rewards=turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
-                           if per_turn and row["turns"] else None)
-               for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
-    if cfg.agent.hindsight:
-        samples += [h for s, row in zip(samples, usable.iter_rows(named=True))
-                    if (h := as_first_answer(s, row["turns"], cfg.agent.turns if per_turn else None)) is not None]
-    return samples
-
-
-def as_first_answer(episode: TrainSample, turns: list[dict] | None, per_turn: int | None) -> TrainSample | None:
-    """`agent.hindsight`: the episode's last answer as a first answer to the bare prompt, when it is a
-    revision that passed after a failed first answer (None otherwise): one more member of the task's group, with that answer's
-    reward (no turn penalty: at turn 1 it would have taken no revision) and, with per-turn credit over
-    `per_turn` turns, that reward as its state after every turn. Its behaviour log-probs are the
-    revision's as sampled (after the feedback) until `Trainer.assign_advantages` replaces them."""
-    if not turns or len(turns) < 2 or turns[0].get("passed") or not turns[-1].get("passed"):
-        return None
-    n = turns[-1]["action_tokens"]
-    if episode.loss_mask is None or n < 1 or any(m != 1 for m in episode.loss_mask[-n:]) or (
-            len(episode.loss_mask) > n and episode.loss_mask[-n - 1] != 0):
-        where = f"group {episode.group!r}, wave row {episode.row}"
-        raise ValueError(f"hindsight: the last answer of the episode ({where}) is not its last {n} action tokens "
-                         f"in the loss mask")
-    reward = float(turns[-1]["reward"])
-    return replace(episode, completion_ids=episode.completion_ids[-n:], behavior_logprobs=episode.behavior_logprobs[-n:],
-                   reward=reward, loss_mask=None, turn_rewards=[reward] * per_turn if per_turn else None, hindsight=True)
+    return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
+                        reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"),
+                        turn_rewards=turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
+                        if per_turn and row["turns"] else None)
+            for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
 
 
 def with_advantages(frame: pl.DataFrame, samples: list[TrainSample]) -> pl.DataFrame:
     """`frame` with the advantages the trainer will use: `advantage` (group estimators) and
-    `token_advantages` (GAE; per-turn credit) of the trained rows; null on rows that are not trained on.
-    With `agent.hindsight`, `hindsight_advantage`: that of the row's fix trained as a first answer."""
+    `token_advantages` (GAE; per-turn credit) of the trained rows; null on rows that are not trained on."""
     adv: list[float | None] = [None] * frame.height
     tokens: list[list[float] | None] = [None] * frame.height
-    hindsight: list[float | None] = [None] * frame.height
     for s in samples:
-        if s.hindsight:   # one advantage: a first answer's, on every token
-            hindsight[s.row] = s.advantage if s.advantage is not None else s.token_advantages[0]
-        else:
-            adv[s.row], tokens[s.row] = s.advantage, s.token_advantages
-    out = frame.with_columns(pl.Series("advantage", adv, dtype=pl.Float64),
-                             pl.Series("token_advantages", tokens, dtype=pl.List(pl.Float64)))
-    if any(s.hindsight for s in samples):
-        out = out.with_columns(pl.Series("hindsight_advantage", hindsight, dtype=pl.Float64))
-    return out
+        adv[s.row], tokens[s.row] = s.advantage, s.token_advantages
+    return frame.with_columns(pl.Series("advantage", adv, dtype=pl.Float64),
+                              pl.Series("token_advantages", tokens, dtype=pl.List(pl.Float64)))

@@ -161,8 +161,6 @@ def render_row(row: dict, with_prompt: bool = True, trained: bool = False) -> st
         verdict += f" | token advantages mean {sum(row['token_advantages']) / max(len(row['token_advantages']), 1):+.3f}"
     elif trained:
         verdict += " | not trained on (its group was excluded or had equal rewards)"
-    if row.get("hindsight_advantage") is not None:
-        verdict += f" | its fix as a first answer (hindsight): advantage {row['hindsight_advantage']:+.3f}"
     if row.get("env_error"):
         verdict += f" | env_error: {row.get('env_error_kind')} (excluded, never scored)"
     lines = [head, verdict, _metrics_line(row.get("metrics"))]

@@ -34,12 +34,6 @@ runs once per turn over the state values after that turn of the episodes that an
 the whole group; turn k: its revisions), and each answer's tokens get their turn's advantage
 (`token_advantages`; observation tokens 0).
 
-Hindsight (`TrainSample.hindsight`, `AgentConfig.hindsight`): a revision that fixed its episode is
-also trained as a first answer to the bare prompt, one more member of its task's group (at turn 1
-with per-turn credit); its behaviour log-probs are the policy's own under that prompt at the start
-of the epoch, so it trains as if sampled there (STaR's rationalisation, Zelikman et al. 2022,
-arXiv:2203.14465: the feedback was the hint the loss does not see).
-
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
 forwarded at all; they still count in the normaliser, so the gradient does not change.
 
@@ -168,8 +162,6 @@ class Trainer(ABC):
             raise ValueError("assign_advantages: every sample needs its reward")
         if not samples:
             return []
-        if self.ppo and any(s.hindsight for s in samples):
-            raise ValueError("assign_advantages: hindsight samples join their task's group; gae has none")
         kl_reward = self.rl.kl_in_reward and self.ref_model is not None
         self.module.eval()
         per_turn = any(s.turn_rewards is not None for s in samples)
@@ -178,7 +170,6 @@ class Trainer(ABC):
                              "a group estimator (not gae) and kl_in_reward off")
         if self.ppo:
             return self._gae_advantages(samples, kl_reward)
-        samples = self._as_sampled_at_turn_one(samples)
         groups: dict[str, list[TrainSample]] = {}
         for s in samples:
             groups.setdefault(s.group, []).append(s)
@@ -194,23 +185,6 @@ class Trainer(ABC):
             adv = compute_advantages(self.rl.estimator, torch.tensor([float(rewards[id(s)]) for s in flat]), size)
             out.update({id(s): float(a) for s, a in zip(flat, adv)})                      # [B*G]
         return [replace(s, advantage=out[id(s)]) for s in kept]
-
-    def _as_sampled_at_turn_one(self, samples: list[TrainSample]) -> list[TrainSample]:
-        """Hindsight samples (a fix as a first answer) with behaviour log-probs of the policy's own under
-        the bare prompt, now: trained as if the policy had sampled them at turn 1, so the truncated IS
-        weight starts at 1 (the answer was sampled after feedback, a context the loss does not see)."""
-        hindsight = [s for s in samples if s.hindsight]
-        if not hindsight:
-            return samples
-        own: dict[int, list[float]] = {}
-        for micro in pack_by_tokens(hindsight, self.cfg.token_budget):
-            ids, attn, _, _, _ = (t.to(self.device) for t in collate(micro, self.pad_id))
-            logits, _ = self._forward(ids, attn, False)
-            logp, _ = logprobs_from_logits(logits, ids, self.temperature)                   # [N, L-1]
-            for b, s in enumerate(micro):
-                p = len(s.prompt_ids)
-                own[id(s)] = logp[b, p - 1:p - 1 + len(s.completion_ids)].cpu().tolist()
-        return [replace(s, behavior_logprobs=own[id(s)]) if s.hindsight else s for s in samples]
 
     def _turn_advantages(self, groups: list[list[TrainSample]]) -> list[TrainSample]:
         """Per-turn credit: the estimator per turn over the groups' state values, a revision against the
@@ -290,8 +264,7 @@ class Trainer(ABC):
             out.pop("kl", None)
         if self.rl.entropy_coef == 0:
             out.pop("entropy", None)
-        hindsight = sum(s.hindsight for s in samples)   # fixes also trained as first answers (agent.hindsight)
-        out.update(optimizer_steps=n_updates, train_samples=len(samples) - hindsight, hindsight_samples=hindsight)
+        out.update(optimizer_steps=n_updates, train_samples=len(samples))
         return out
 
     def current_lr(self) -> float:

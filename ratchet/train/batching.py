@@ -39,8 +39,6 @@ class TrainSample:
     loss_mask: list[int] | None = None            # one per completion token: 1 = the model's own (action)
                                                   # token, 0 = observation; None = all ones (single-turn)
     turn_rewards: list[float] | None = None       # per-turn credit: the episode's state value after each turn
-    hindsight: bool = False                       # a revision that fixed its episode, as a first answer: its
-                                                  # behaviour log-probs are set by Trainer.assign_advantages
 
     @property
     def action_tokens(self) -> int:
