@@ -8,12 +8,14 @@ through `tasks/` (load, call one of these, save), to here.
 from __future__ import annotations
 
 import polars as pl
+import torch
 
 from envs.sources import curriculum_for
 from envs.spec import TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
 from ratchet.reward.frame import turn_states
+from ratchet.rl import answer_count
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample
@@ -169,9 +171,20 @@ def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> li
     per_turn = cfg.agent.turns > 1 and cfg.agent.credit == "turn"
     return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
                         reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"),
-                        turn_rewards=turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
-                        if per_turn and row["turns"] else None)
+                        turn_rewards=_turn_rewards(row, cfg) if per_turn and row["turns"] else None)
             for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
+
+
+def _turn_rewards(row: dict, cfg: NightlyConfig) -> list[float]:
+    """The episode's state values after each turn (`turn_states`), once its loss mask is seen to hold
+    one run of action tokens per turn: the trainer finds answer k as the k-th run."""
+    mask = row.get("loss_mask")
+    answers = 1 if mask is None else answer_count(torch.tensor(mask))
+    if answers != len(row["turns"]):
+        raise ValueError(f"wave row {row['_row']} (group {row['group_id']!r}): {len(row['turns'])} turns but its "
+                         f"loss_mask holds {answers} runs of action tokens, so per-turn credit cannot tell its "
+                         f"answers apart (an observation of no tokens runs two answers together)")
+    return turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
 
 
 def with_advantages(frame: pl.DataFrame, samples: list[TrainSample]) -> pl.DataFrame:

@@ -234,6 +234,9 @@ def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling) 
                 continue
             i, prompt_ids = jobs[b]
             ids = observation_ids(engine, prompts[i], turn, obs)
+            if not ids:   # the loss mask tells answers apart by the observation tokens between them
+                raise ValueError(f"respond(turn {k}): episode {first + b}'s observation {obs!r} is no tokens, so "
+                                 f"its next answer would run into this one; return None to end the episode")
             so_far = len(prompt_ids) + sum(len(t.action_ids) + len(t.observation_ids) for t in turns[b])
             if context is not None and so_far + len(ids) + sampling["max_new_tokens"] > context:
                 end[b] = "context"

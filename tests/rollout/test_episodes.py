@@ -200,6 +200,8 @@ def test_bad_respond_and_arguments_are_clear_errors():
         generate_episodes(engine, PROMPTS[:1], 2, lambda k, live: ["x"], 2, max_new_tokens=3)
     with pytest.raises(TypeError, match=r"respond\(turn 0\): episode 0's observation is a int"):
         generate_episodes(engine, PROMPTS[:1], 1, lambda k, live: [3], 2, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"respond\(turn 0\): episode 1's observation '' is no tokens.*return None"):
+        generate_episodes(engine, PROMPTS[:1], 2, lambda k, live: ["x", ""], 2, max_new_tokens=3)
     with pytest.raises(ValueError, match="max_turns must be at least 1"):
         generate_episodes(engine, PROMPTS[:1], 1, _always, 0)
     with pytest.raises(ValueError, match="stop string must be non-empty"):

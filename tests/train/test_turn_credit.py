@@ -175,3 +175,6 @@ def test_from_a_scored_frame_to_stored_token_advantages():
     assert stored["advantage"].to_list() == [None, None]
     assert stored["token_advantages"].to_list()[1][3:5] == [0.0, 0.0]
     assert stored["token_advantages"].to_list()[1][0] < 0 < stored["token_advantages"].to_list()[0][0]
+    merged = frame.with_columns(pl.Series("loss_mask", [None, [1] * 8], dtype=pl.List(pl.Int8)))   # no observation
+    with pytest.raises(ValueError, match=r"wave row 1 \(group 'a'\): 2 turns but its loss_mask holds 1 runs"):
+        train_samples(merged, lambda ps: [[1, 2] for _ in ps], cfg)
