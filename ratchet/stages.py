@@ -178,12 +178,17 @@ def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> li
 def _turn_rewards(row: dict, cfg: NightlyConfig) -> list[float]:
     """The episode's state values after each turn (`turn_states`), once its loss mask is seen to hold
     one run of action tokens per turn: the trainer finds answer k as the k-th run."""
-    mask = row.get("loss_mask")
+    mask, turns = row.get("loss_mask"), len(row["turns"])
+    where = f"wave row {row['_row']} (group {row['group_id']!r}): {turns} turn(s)"
+    if mask is None and turns > 1:
+        raise ValueError(f"{where} but no loss_mask, so per-turn credit cannot find its answers")
+    if mask is not None and not set(mask) <= {0, 1}:
+        raise ValueError(f"{where}: its loss_mask holds values {sorted(set(mask) - {0, 1})} (only 0 and 1 are allowed)")
     answers = 1 if mask is None else answer_count(torch.tensor(mask))
-    if answers != len(row["turns"]):
-        raise ValueError(f"wave row {row['_row']} (group {row['group_id']!r}): {len(row['turns'])} turns but its "
-                         f"loss_mask holds {answers} runs of action tokens, so per-turn credit cannot tell its "
-                         f"answers apart (an observation of no tokens runs two answers together)")
+    if answers != turns:
+        raise ValueError(f"{where} but its loss_mask holds {answers} run(s) of action tokens, so per-turn credit "
+                         f"cannot tell its answers apart" + (" (an observation of no tokens runs two answers together)"
+                                                             if answers < turns else ""))
     return turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
 
 

@@ -181,7 +181,9 @@ def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: 
     called after every turn, the last included, once per batch of up to batch_size episodes; after
     max_turns answers an episode ends with end="turns" whatever it returned. An episode whose next turn
     would not fit in the model's context (prompt + completion + observation + max_new_tokens > context,
-    when the engine checks its context) ends with end="context", that observation not appended."""
+    when the engine checks its context) ends with end="context", that observation not appended. An
+    observation of no tokens is a ValueError (the loss mask tells answers apart by what lies between
+    them); to end an episode, respond returns None."""
     for name, value in (("n", n), ("max_turns", max_turns), ("max_new_tokens", max_new_tokens),
                         ("batch_size", batch_size)):
         if value < 1:

@@ -176,5 +176,12 @@ def test_from_a_scored_frame_to_stored_token_advantages():
     assert stored["token_advantages"].to_list()[1][3:5] == [0.0, 0.0]
     assert stored["token_advantages"].to_list()[1][0] < 0 < stored["token_advantages"].to_list()[0][0]
     merged = frame.with_columns(pl.Series("loss_mask", [None, [1] * 8], dtype=pl.List(pl.Int8)))   # no observation
-    with pytest.raises(ValueError, match=r"wave row 1 \(group 'a'\): 2 turns but its loss_mask holds 1 runs"):
+    with pytest.raises(ValueError, match=r"wave row 1 \(group 'a'\): 2 turn\(s\) but its loss_mask holds 1 run\(s\) "
+                                         r".*an observation of no tokens"):
         train_samples(merged, lambda ps: [[1, 2] for _ in ps], cfg)
+    for mask, error in (([1, 0, 1, 0, 1, 0, 1, 1], r"holds 4 run\(s\) of action tokens, so per-turn credit cannot tell "
+                                                   r"its answers apart$"),
+                        (None, r"2 turn\(s\) but no loss_mask"), ([2] * 8, r"values \[2\] \(only 0 and 1")):
+        bad = frame.with_columns(pl.Series("loss_mask", [None, mask], dtype=pl.List(pl.Int8)))
+        with pytest.raises(ValueError, match=error):
+            train_samples(bad, lambda ps: [[1, 2] for _ in ps], cfg)
