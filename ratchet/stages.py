@@ -8,7 +8,6 @@ through `tasks/` (load, call one of these, save), to here.
 from __future__ import annotations
 
 import polars as pl
-import torch
 
 from envs.sources import curriculum_for
 from envs.spec import TaskSpec
@@ -18,7 +17,7 @@ from ratchet.reward.frame import turn_states
 from ratchet.rl import answer_count
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
-from ratchet.train.batching import TrainSample
+from ratchet.train.batching import TrainSample, loss_mask_of
 from ratchet.verify import passed, verify_many
 
 
@@ -169,27 +168,28 @@ def train_samples(frame: pl.DataFrame, encode_prompts, cfg: NightlyConfig) -> li
         return []
     prompt_ids = encode_prompts(usable["prompt"].to_list())
     per_turn = cfg.agent.turns > 1 and cfg.agent.credit == "turn"
-    return [TrainSample(ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
-                        reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"),
-                        turn_rewards=_turn_rewards(row, cfg) if per_turn and row["turns"] else None)
-            for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
+    return [_sample(ids, row, cfg, per_turn) for ids, row in zip(prompt_ids, usable.iter_rows(named=True))]
 
 
-def _turn_rewards(row: dict, cfg: NightlyConfig) -> list[float]:
-    """The episode's state values after each turn (`turn_states`), once its loss mask is seen to hold
-    one run of action tokens per turn: the trainer finds answer k as the k-th run."""
-    mask, turns = row.get("loss_mask"), len(row["turns"])
-    where = f"wave row {row['_row']} (group {row['group_id']!r}): {turns} turn(s)"
-    if mask is None and turns > 1:
+def _sample(prompt_ids: list[int], row: dict, cfg: NightlyConfig, per_turn: bool) -> TrainSample:
+    """One row's TrainSample; with per-turn credit, its state values after each turn (`turn_states`),
+    once its loss mask is seen to hold one run of action tokens per turn: the trainer finds answer k
+    as the k-th run (`loss_mask_of` checks the mask itself)."""
+    s = TrainSample(prompt_ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
+                    reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"))
+    if not (per_turn and row["turns"]):
+        return s
+    turns = len(row["turns"])
+    where = f"wave row {s.row} (group {s.group!r}): {turns} turn(s)"
+    if s.loss_mask is None and turns > 1:
         raise ValueError(f"{where} but no loss_mask, so per-turn credit cannot find its answers")
-    if mask is not None and not set(mask) <= {0, 1}:
-        raise ValueError(f"{where}: its loss_mask holds values {sorted(set(mask) - {0, 1})} (only 0 and 1 are allowed)")
-    answers = 1 if mask is None else answer_count(torch.tensor(mask))
+    answers = 1 if s.loss_mask is None else answer_count(loss_mask_of(s))
     if answers != turns:
         raise ValueError(f"{where} but its loss_mask holds {answers} run(s) of action tokens, so per-turn credit "
                          f"cannot tell its answers apart" + (" (an observation of no tokens runs two answers together)"
                                                              if answers < turns else ""))
-    return turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
+    s.turn_rewards = turn_states(row["turns"], cfg.agent.turns, cfg.agent.turn_penalty)
+    return s
 
 
 def with_advantages(frame: pl.DataFrame, samples: list[TrainSample]) -> pl.DataFrame:
