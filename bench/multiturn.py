@@ -18,7 +18,8 @@
    by default "turn", each answer credited with the state it left, a revision among the task's other
    revisions at its turn), each for waves until it has sampled the budget (the K-turn run's episodes
    sample more per prompt, so it sees fewer prompts).
-   The two run side by side in two processes, each on half the cores (training is bit-identical
+   Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
+   take about 3.5x as long), so that the cores stay busy across seeds (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
    greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
@@ -60,7 +61,7 @@ def note(what: str, since: float) -> None:
 
 def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str | None = None):
     from ratchet.config import (AgentConfig, EnvsConfig, EvalConfig, GateConfig, ModelConfig, MonitorConfig,
-                                NightlyConfig, RolloutConfig, StoreConfig, TrainConfig)
+                                NightlyConfig, RLConfig, RolloutConfig, StoreConfig, TrainConfig)
 
     return NightlyConfig(
         run_id=run_id, steps=10_000, checkpoint_every=10_000, store=StoreConfig(uri=store),
@@ -69,7 +70,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
-        train=TrainConfig(seed=seed),
+        train=TrainConfig(seed=seed), rl=RLConfig(lone_revisions=args.lone_revisions),
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
         eval=EvalConfig(n_tasks=args.eval_tasks, min_gain=1.0),
@@ -169,6 +170,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
     p.add_argument("--credit", choices=("trajectory", "turn"), default="turn",
                    help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
+    p.add_argument("--lone-revisions", choices=("zero", "wave"), default="zero",
+                   help="rl.lone_revisions of the K-turn run: a revision alone at its turn in its group gets 0, or is compared with the wave's")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--sft-steps", type=int, default=400, help="model.sft_steps of the shared warm start (make run's: 130)")
@@ -189,14 +192,16 @@ def main() -> None:
         train_refs, heldout, model_path, warm = start(store, args)
         warm_passed = warm.pop("passed")
         spawn = multiprocessing.get_context("spawn")
-        for seed in args.seeds:
-            with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
-                runs = [pool.submit(train_in_child, tmp, f"{name}-{seed}", args, seed, turns, model_path, train_refs, heldout)
-                        for name, turns in (("single", 1), ("multi", args.turns))]
-                single, multi = (r.result() for r in runs)
-            per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
-                             "gain_last": paired(multi.pop("passed"), single.pop("passed"))})
-            print(json.dumps(per_seed[-1]), flush=True)
+        arms = (("multi", args.turns), ("single", 1))   # the K-turn runs first: they are the long ones
+        with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
+            runs = {(name, seed): pool.submit(train_in_child, tmp, f"{name}-{seed}", args, seed, turns, model_path,
+                                              train_refs, heldout)
+                    for name, turns in arms for seed in args.seeds}
+            for seed in args.seeds:
+                single, multi = runs["single", seed].result(), runs["multi", seed].result()
+                per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
+                                 "gain_last": paired(multi.pop("passed"), single.pop("passed"))})
+                print(json.dumps(per_seed[-1]), flush=True)
 
     def summary(side: str) -> dict:
         out = {}
@@ -210,7 +215,7 @@ def main() -> None:
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "lone_revisions": args.lone_revisions, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 
