@@ -194,7 +194,7 @@ class Trainer(ABC):
         advantage (`spread_over_turns`)."""
         out: dict[int, list[float]] = {}
         everyone = [s for rows in groups for s in rows]
-        wave = None if self.rl.lone_revisions == "zero" else revision_stats(
+        wave = None if self.rl.lone_revisions == "zero" or not everyone else revision_stats(
             torch.tensor([s.turn_rewards for s in everyone]), torch.tensor([answer_count(loss_mask_of(s)) for s in everyone]))
         for size, flat in _by_size(groups).items():   # one call per group size
             masks = [loss_mask_of(s) for s in flat]
