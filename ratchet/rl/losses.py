@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
+                  "answer_mean_token_mean"]
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite on garbage tokens (as verl does)
 
 
@@ -58,12 +59,22 @@ def aggregate(
     seq_mean_token_sum       mean over sequences of each sequence's token sum
     seq_mean_token_sum_norm  sum / (N * max_len), a constant normaliser (Dr. GRPO, arXiv:2503.20783);
                              max_len defaults to T
-    `denom` overrides the #tokens (token_mean) or N (seq_* modes) for gradient accumulation.
+    answer_mean_token_mean   mean over answers of each answer's token mean, an answer being a run of 1s
+                             in the mask (a multi-turn episode's answers, observations between them):
+                             seq_mean_token_mean with every answer a sequence of its own, so that a
+                             revision weighs as much as a first answer, not 1/K of one episode
+    `denom` overrides the #tokens (token_mean), N (seq_* modes) or the #answers for gradient accumulation.
     """
     valid = mask.to(torch.bool)  # [N, T]
     masked = torch.where(valid, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))  # [N, T]
     if mode == "token_mean":
         return masked.sum() / (denom if denom is not None else valid.sum().clamp(min=1))
+    if mode == "answer_mean_token_mean":
+        starts = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0))  # [N, T] an answer's first token
+        answer = torch.cumsum(starts.long(), dim=-1) * valid  # [N, T] 1, 2, .. on each answer's tokens, 0 elsewhere
+        lengths = torch.zeros_like(answer).scatter_add_(-1, answer, valid.long())  # [N, T] tokens of answer j at j
+        per_token = lengths.gather(-1, answer).clamp(min=1).to(loss_mat.dtype)  # [N, T] its answer's length
+        return (masked / per_token).sum() / (denom if denom is not None else starts.sum().clamp(min=1))
     n_seq = denom if denom is not None else loss_mat.shape[0]
     if mode == "seq_mean_token_mean":
         per_seq = masked.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # [N]

@@ -287,9 +287,10 @@ class Trainer(ABC):
 
     def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
         rl = self.rl
-        seq_level = rl.loss_agg != "token_mean"
         n_tokens = sum(s.action_tokens for s in minibatch)    # the model's own tokens (observations are not)
-        denom = len(minibatch) if seq_level else n_tokens      # the whole minibatch's, skipped rows included
+        denom = (n_tokens if rl.loss_agg == "token_mean"       # the whole minibatch's, skipped rows included
+                 else sum(answer_count(loss_mask_of(s)) for s in minibatch) if rl.loss_agg == "answer_mean_token_mean"
+                 else len(minibatch))
         max_len = max(s.action_tokens for s in minibatch)
         live = [s for s in minibatch if not self._zero_grad_sample(s)]
         if not live:  # keep one row so the optimizer sees a (zero) gradient, exactly as without skipping

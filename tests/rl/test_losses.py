@@ -72,15 +72,30 @@ def test_aggregation_modes_by_hand():
     close(aggregate(loss_mat, mask, "seq_mean_token_sum"), 3.5)  # (4 + 3) / 2
     close(aggregate(loss_mat, mask, "seq_mean_token_sum_norm"), 0.875)  # 7 / (2 * T=4)
     close(aggregate(loss_mat, mask, "seq_mean_token_sum_norm", max_len=7), 0.5)  # 7 / (2 * 7)
+    close(aggregate(loss_mat, mask, "answer_mean_token_mean"), 2.0)  # one answer per row: seq_mean_token_mean
     with pytest.raises(ValueError, match="token_mean"):
         aggregate(loss_mat, mask, "sum")
+
+
+def test_answer_mean_weighs_each_answer_of_an_episode_as_a_sequence():
+    """Row 0 is an episode of two answers (tokens 0-1, then 3-5; token 2 an observation), row 1 one answer:
+    three answers, each its own token mean, then their mean. Each token's gradient is 1 / (its answer's
+    length * 3); seq_mean_token_mean would give row 0's tokens 1 / (5 * 2), a revision half a sequence."""
+    loss_mat = torch.tensor([[1.0, 2.0, 9.0, 3.0, 5.0, 0.0], [4.0, 4.0, 0.0, 0.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0]])
+    loss = aggregate(loss_mat, mask, "answer_mean_token_mean")
+    close(loss, (1.5 + 8 / 3 + 4) / 3)
+    loss.backward()
+    close(loss_mat.grad, [[1 / 6, 1 / 6, 0, 1 / 9, 1 / 9, 1 / 9], [1 / 6, 1 / 6, 0, 0, 0, 0]])
+    parts = sum(aggregate(loss_mat[i:i + 1], mask[i:i + 1], "answer_mean_token_mean", denom=3) for i in range(2))
+    close(parts, float(loss))                                         # micro-batches: denom = the minibatch's answers
 
 
 def test_aggregation_ignores_nan_on_padding_and_denom_splits_micro_batches():
     loss_mat = torch.tensor([[1.0, float("nan")], [2.0, 4.0]])
     mask = torch.tensor([[1, 0], [1, 1]])
     close(aggregate(loss_mat, mask, "token_mean"), 7.0 / 3)
-    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm", "answer_mean_token_mean"):
         whole = aggregate(loss_mat, mask, mode)
         denom = 3 if mode == "token_mean" else 2  # whole minibatch's tokens / sequences
         parts = sum(aggregate(loss_mat[i : i + 1], mask[i : i + 1], mode, max_len=2, denom=denom) for i in range(2))

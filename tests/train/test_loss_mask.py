@@ -171,6 +171,7 @@ def test_gae_skips_observation_tokens_and_whitens_over_action_tokens():
     ("token_mean", -(6 - 4) / (6 + 4) / 2 ** 0.5),                 # over the 10 action tokens (not 12)
     ("seq_mean_token_sum_norm", -(6 - 4) / (2 * 6) / 2 ** 0.5),    # N * max_len, max_len = 6 action tokens (not 8)
     ("seq_mean_token_mean", 0.0),                                  # each sequence's mean over its action tokens
+    ("answer_mean_token_mean", -(2 - 1) / 3 / 2 ** 0.5),           # each answer's mean: two answers at +A, one at -A
 ])
 def test_denominators_count_action_tokens(loss_agg, by_hand):
     samples = episode_group(tiny.model())

@@ -76,7 +76,7 @@ class Plain(NoSkip):
     share_prompts = False
 
 
-@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "answer_mean_token_mean"])
 def test_packed_micro_batches_give_the_one_big_batch_gradient(loss_agg):
     """Loop (one row per micro-batch) == packed (token budget) == one batch, plain or with the prompt
     forwarded once per group, and skipping the zero-advantage rows changes nothing."""
