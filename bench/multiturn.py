@@ -71,7 +71,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
         train=TrainConfig(seed=seed),
-        rl=RLConfig(lone_revisions=args.lone_revisions, **({"loss_agg": args.loss_agg} if turns > 1 else {})),
+        rl=RLConfig(**({"loss_agg": args.loss_agg} if turns > 1 else {})),
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
         eval=EvalConfig(n_tasks=args.eval_tasks, min_gain=1.0),
@@ -171,8 +171,6 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
     p.add_argument("--credit", choices=("trajectory", "turn"), default="turn",
                    help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
-    p.add_argument("--lone-revisions", choices=("zero", "wave"), default="zero",
-                   help="rl.lone_revisions of the K-turn run: a revision alone at its turn in its group gets 0, or is compared with the wave's")
     p.add_argument("--loss-agg", choices=("seq_mean_token_mean", "answer_mean_token_mean"), default="seq_mean_token_mean",
                    help="rl.loss_agg of the K-turn run: each episode a sequence, or each answer (the single-turn run's "
                         "answers are its sequences, so it keeps seq_mean_token_mean, the same loss bit for bit as before)")
@@ -219,7 +217,7 @@ def main() -> None:
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "lone_revisions": args.lone_revisions, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

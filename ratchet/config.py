@@ -258,10 +258,6 @@ class RLConfig(Frozen):
     estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = Field(
         "grpo", description="Advantage estimator (ratchet.rl.advantages registry)."
     )
-    lone_revisions: Literal["zero", "wave"] = Field(
-        "zero", description="Per-turn credit (agent.credit turn) of a revision that is the only one of its task at its "
-        "turn, with nothing in its group to compare it with. zero: advantage 0, as a group of one. wave: compared with "
-        "the wave's revisions at its turn (its state less their mean; for grpo, over their std).")
     clip_low: float = Field(0.2, ge=0, le=1, description="Lower PPO clip: ratio at least 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio at most 1 + clip_high (DAPO clip-higher: 0.28).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",

@@ -127,8 +127,7 @@ def reinforce_pp(rewards: Tensor, group_size: int, eps: float = 1e-6, baseline: 
     return (flat - flat.mean()) / (std + eps)  # [B*G]
 
 
-def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor,
-                    wave: tuple[Tensor, Tensor] | None = None, eps: float = 1e-6) -> Tensor:
+def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor) -> Tensor:
     """Per-turn credit for multi-turn episodes (`AgentConfig.credit` "turn"): states [B*G, K], the value
     of each episode's state after turn k (its latest answer's reward so far; an episode that ended
     keeps its last), answers [B*G] how many answers each episode gave -> advantages [B*G, K].
@@ -139,10 +138,7 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor,
     the other revisions, not against episodes that passed earlier (those would make every revision look
     bad: on the bench's waves they put the mean advantage of second answers at -0.3 to -0.4 and of third
     answers at -0.6 to -0.7, in group-std units). A revision with no other revision of its task to
-    compare with (a lone revision) gets 0, as a group of one does, unless `wave` = (mean [K], std [K]) of
-    the wave's revisions at each turn (`revision_stats`) is given: then it is compared with those, its
-    state less their mean, divided for grpo by their std (`RLConfig.lone_revisions` "wave"). An episode's
-    columns past its last answer are 0.
+    compare with gets 0, as a group of one does; an episode's columns past its last answer are 0.
     `name` must be a per-task group estimator (grpo, dr_grpo, rloo): reinforce_pp normalises over the
     batch, which here would be the revisions of groups with as many revisions as its own."""
     if states.dim() != 2:
@@ -158,30 +154,12 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor,
         by_size: dict[int, list[Tensor]] = {}   # the groups' revisions at turn k, by how many (one call per size)
         for group in rows:
             live = group[answers[group] > k]  # [g]
-            by_size.setdefault(live.numel(), []).append(live)
-        lone, _ = by_size.pop(1, []), by_size.pop(0, None)   # revisions alone in their group at turn k
-        if wave is not None and lone:
-            lone, (mean, std) = torch.cat(lone), wave  # [n]
-            scale = std[k] + eps if name == "grpo" else 1.0   # as the estimator scales within a group
-            out[lone, k] = ((states[lone, k] - mean[k]) / scale).to(out.dtype)
+            if live.numel() > 1:
+                by_size.setdefault(live.numel(), []).append(live)
         for size, groups in by_size.items():
             idx = torch.cat(groups)  # [n * size]
             out[idx, k] = compute_advantages(name, states[idx, k].contiguous(), size).to(out.dtype)
     return out
-
-
-def revision_stats(states: Tensor, answers: Tensor) -> tuple[Tensor, Tensor]:
-    """(mean [K], std [K]) of the states [B*G, K] of every revision at each turn (the episodes whose
-    answers [B*G] reached turn k, k > 1; column 1 is over every episode): the baseline of a lone revision
-    in `turn_advantages`. A turn that no episode reached has mean 0, std 0; one that a single episode
-    reached has std 0."""
-    K = states.shape[1]
-    reached = answers.to(states.device)[:, None] > torch.arange(K, device=states.device)  # [B*G, K]
-    n = reached.sum(dim=0).to(states.dtype)  # [K]
-    x = torch.where(reached, states, torch.zeros_like(states))  # [B*G, K]
-    mean = x.sum(dim=0) / n.clamp(min=1)  # [K]
-    sq = torch.where(reached, (states - mean) ** 2, torch.zeros_like(states)).sum(dim=0)  # [K]
-    return mean, (sq / (n - 1).clamp(min=1)).sqrt()  # unbiased, as grpo's std
 
 
 def _answer_starts(loss_mask: Tensor) -> Tensor:

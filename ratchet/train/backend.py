@@ -31,8 +31,7 @@ the observation's length; the outcome reward sits on the last action token, and 
 whitened over the wave's action tokens. With loss_mask None nothing changes, bit for bit.
 Per-turn credit (`TrainSample.turn_rewards`, `AgentConfig.credit` "turn"): the group estimator
 runs once per turn over the state values after that turn of the episodes that answered it (turn 1:
-the whole group; turn k: its revisions; a lone revision 0, or with `rl.lone_revisions` "wave" against
-the wave's revisions at its turn), and each answer's tokens get their turn's advantage
+the whole group; turn k: its revisions), and each answer's tokens get their turn's advantage
 (`token_advantages`; observation tokens 0).
 
 Samples whose gradient is exactly zero (advantage 0 with no KL/entropy/value term) are not
@@ -63,7 +62,6 @@ from ratchet.rl import (
     masked_whiten,
     outcome_to_token_rewards,
     policy_loss,
-    revision_stats,
     spread_over_turns,
     turn_advantages,
     value_loss,
@@ -193,13 +191,10 @@ class Trainer(ABC):
         group's other revisions at its turn (`turn_advantages`), each answer's tokens given its turn's
         advantage (`spread_over_turns`)."""
         out: dict[int, list[float]] = {}
-        everyone = [s for rows in groups for s in rows]
-        wave = None if self.rl.lone_revisions == "zero" or not everyone else revision_stats(
-            torch.tensor([s.turn_rewards for s in everyone]), torch.tensor([answer_count(loss_mask_of(s)) for s in everyone]))
         for size, flat in _by_size(groups).items():   # one call per group size
             masks = [loss_mask_of(s) for s in flat]
             adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size,
-                                  torch.tensor([answer_count(m) for m in masks]), wave)  # [B*G, K]
+                                  torch.tensor([answer_count(m) for m in masks]))  # [B*G, K]
             out.update({id(s): spread_over_turns(a, m).tolist() for s, a, m in zip(flat, adv, masks)})
         return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
 

@@ -20,7 +20,7 @@ import torch
 from ratchet.config import AgentConfig, NightlyConfig, RLConfig, RolloutConfig, TrainConfig
 from ratchet.data.schemas import trajectories_frame
 from ratchet.reward.frame import turn_states
-from ratchet.rl import answer_count, compute_advantages, revision_stats, spread_over_turns, turn_advantages
+from ratchet.rl import answer_count, compute_advantages, spread_over_turns, turn_advantages
 from ratchet.stages import train_samples, with_advantages
 from ratchet.train.batching import TrainSample
 from ratchet.train.torch_trainer import TorchTrainer
@@ -78,27 +78,10 @@ def test_turn_advantages_by_hand():
     assert adv[0, 1:].tolist() == [0.0, 0.0] and adv[1, 2] == 0.0          # past an episode's last answer
     lone = turn_advantages("grpo", states[:2], 2, answers[:2])
     assert lone[1, 1] == 0.0                                                # one revision: nothing to compare with
-    # ... unless the wave's revisions at its turn are its baseline: states 1, 0, 0 at turn 2 (mean 1/3, std
-    # sqrt(1/3)); the lone revision's state is 1. Grouped revisions are credited as before.
-    wave = revision_stats(states, answers)
-    for name, scale in (("grpo", (1 / 3) ** 0.5), ("dr_grpo", 1.0), ("rloo", 1.0)):
-        got = turn_advantages(name, states[:2], 2, answers[:2], wave)
-        assert got[1, 1].item() == pytest.approx((1 - 1 / 3) / scale, rel=1e-4)
-        assert got[0, 1:].tolist() == [0.0, 0.0] and got[1, 2] == 0.0
-    torch.testing.assert_close(turn_advantages("grpo", states, 4, answers, wave), adv)
     with pytest.raises(ValueError, match="2-D"):
         turn_advantages("grpo", states[:, 0], 4, answers)
     with pytest.raises(ValueError, match="answers must be"):
         turn_advantages("grpo", states, 4, answers[:2])
-
-
-def test_revision_stats_are_over_the_episodes_that_reached_each_turn():
-    states = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.5, 0.5], [0.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
-    mean, std = revision_stats(states, torch.tensor([1, 2, 3, 3]))
-    assert mean.tolist() == pytest.approx([0.25, 1 / 6, 0.5])                # turn 2: 0.5, 0, 0; turn 3: 1, 0
-    assert std.tolist() == pytest.approx([0.5, (1 / 12) ** 0.5, 2 ** -0.5])  # unbiased, as grpo's
-    mean, std = revision_stats(states[:1], torch.tensor([1]))                # turns nobody reached: 0, 0
-    assert mean.tolist() == [1.0, 0.0, 0.0] and std.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_answer_count_counts_the_runs_of_the_loss_mask():
@@ -143,28 +126,6 @@ def test_the_trainer_judges_a_revision_among_the_revisions():
         t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig(estimator=estimator))
         _, fixed, failed = t.assign_advantages(group(True))
         assert (fixed.token_advantages[5], failed.token_advantages[5]) == pytest.approx((fix, -fix), rel=1e-5)
-
-
-def test_a_lone_revision_is_compared_with_the_waves_revisions_at_its_turn():
-    """Two tasks in one wave: the hand-built group (its two revisions fix and fail) and a group of two
-    where only one episode revises (pass | fail, fix). With rl.lone_revisions "zero" the lone fix gets 0;
-    with "wave" it is compared with the wave's three second answers (states 1, 0, 1: mean 2/3, std
-    sqrt(1/3)), across groups of different sizes; the grouped revisions keep their +-1/sqrt(2)."""
-    def wave() -> list[TrainSample]:
-        other = group(True)[:2]
-        for s in other:
-            s.group = "h"
-        return group(True) + other
-
-    got = {}
-    for lone in ("zero", "wave"):
-        t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig(lone_revisions=lone))
-        got[lone] = t.assign_advantages(wave())
-    for out in got.values():
-        assert [s.token_advantages[5] for s in out[1:3]] == pytest.approx([2 ** -0.5, -(2 ** -0.5)], rel=1e-5)
-    assert got["zero"][4].token_advantages[5:] == [0.0] * 3
-    assert got["wave"][4].token_advantages[5:] == pytest.approx([(1 - 2 / 3) / (1 / 3) ** 0.5] * 3, rel=1e-4)
-    assert got["wave"][4].token_advantages[:3] == got["zero"][4].token_advantages[:3]      # turn 1 as before
 
 
 def test_a_group_with_equal_final_rewards_still_trains_on_its_first_turn():
