@@ -1,9 +1,10 @@
 """Benchmark: does training on multi-turn episodes teach the embedded model to use the sandbox's feedback?
 
-    python -m bench.multiturn                       # ~50 min on 2 CPU cores; the LAST line is one JSON object
+    python -m bench.multiturn                       # ~50 min on 2 CPU cores (two seeds ~55); the LAST line is one JSON object
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
+    python -m bench.multiturn --loss-agg answer_mean_token_mean   # the K-turn run's loss: each answer a sequence
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
