@@ -72,7 +72,7 @@ def aggregate(
     if mode == "answer_mean_token_mean":
         starts = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0))  # [N, T] an answer's first token
         answer = torch.cumsum(starts.long(), dim=-1) * valid  # [N, T] 1, 2, .. on each answer's tokens, 0 elsewhere
-        lengths = torch.zeros_like(answer).scatter_add_(-1, answer, valid.long())  # [N, T] tokens of answer j at j
+        lengths = answer.new_zeros(answer.shape[0], answer.shape[1] + 1).scatter_add_(-1, answer, valid.long())  # [N, T+1] answer j's tokens at j
         per_token = lengths.gather(-1, answer).clamp(min=1).to(loss_mat.dtype)  # [N, T] its answer's length
         return (masked / per_token).sum() / (denom if denom is not None else starts.sum().clamp(min=1))
     n_seq = denom if denom is not None else loss_mat.shape[0]

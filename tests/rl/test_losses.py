@@ -89,6 +89,9 @@ def test_answer_mean_weighs_each_answer_of_an_episode_as_a_sequence():
     close(loss_mat.grad, [[1 / 6, 1 / 6, 0, 1 / 9, 1 / 9, 1 / 9], [1 / 6, 1 / 6, 0, 0, 0, 0]])
     parts = sum(aggregate(loss_mat[i:i + 1], mask[i:i + 1], "answer_mean_token_mean", denom=3) for i in range(2))
     close(parts, float(loss))                                         # micro-batches: denom = the minibatch's answers
+    one = torch.tensor([[2.0]])                                       # one column: answer 1 needs a slot past T
+    close(aggregate(one, torch.ones(1, 1), "answer_mean_token_mean"), 2.0)
+    close(aggregate(one, torch.zeros(1, 1), "answer_mean_token_mean"), 0.0)
 
 
 def test_aggregation_ignores_nan_on_padding_and_denom_splits_micro_batches():
