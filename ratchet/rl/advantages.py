@@ -163,9 +163,15 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor)
 
 
 def _answer_starts(loss_mask: Tensor) -> Tensor:
-    """[c] 1 where an answer begins in a multi-turn episode's loss mask [c] (a run of 1s is one answer)."""
-    m = loss_mask.to(torch.long)  # [c]
-    return m * (1 - torch.cat([m.new_zeros(1), m[:-1]]))  # [c]
+    """[..., c] 1 where an answer begins in a multi-turn episode's loss mask [..., c] (a run of 1s is one answer)."""
+    m = loss_mask.to(torch.long)  # [..., c]
+    return m * (1 - torch.nn.functional.pad(m[..., :-1], (1, 0)))  # [..., c]
+
+
+def answer_index(loss_mask: Tensor) -> Tensor:
+    """[..., c] the answer each action token of a loss mask [..., c] belongs to, 1, 2, ... (the k-th run
+    of 1s is answer k); 0 on the other tokens."""
+    return torch.cumsum(_answer_starts(loss_mask), dim=-1) * loss_mask.to(torch.long)  # [..., c]
 
 
 def answer_count(loss_mask: Tensor) -> int:
@@ -176,14 +182,12 @@ def answer_count(loss_mask: Tensor) -> int:
 def spread_over_turns(turn_adv: Tensor, loss_mask: Tensor) -> Tensor:
     """Token advantages [c] of one episode: the k-th run of action tokens (1s of `loss_mask` [c], the
     answer of turn k) gets turn_adv[k] ([K]); observation tokens get 0."""
-    m = loss_mask.to(torch.long)  # [c]
-    starts = _answer_starts(m)  # [c]
-    run = torch.cumsum(starts, 0) - 1  # [c] the turn (0-based) of each action token
-    n_runs = int(starts.sum())
+    answer = answer_index(loss_mask)  # [c] the turn (1-based) of each action token, 0 elsewhere
+    n_runs = int(answer.max()) if answer.numel() else 0
     if n_runs > turn_adv.numel():
         raise ValueError(f"spread_over_turns: the loss mask has {n_runs} answers but there are advantages for "
                          f"{turn_adv.numel()} turns")
-    return torch.where(m.bool(), turn_adv.to(torch.get_default_dtype())[run.clamp(min=0)], 0.0)  # [c]
+    return torch.where(answer > 0, turn_adv.to(torch.get_default_dtype())[(answer - 1).clamp(min=0)], 0.0)  # [c]
 
 
 @torch.no_grad()

@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ratchet.rl.advantages import answer_index
+
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                   "answer_mean_token_mean"]
@@ -70,11 +72,10 @@ def aggregate(
     if mode == "token_mean":
         return masked.sum() / (denom if denom is not None else valid.sum().clamp(min=1))
     if mode == "answer_mean_token_mean":
-        starts = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0))  # [N, T] an answer's first token
-        answer = torch.cumsum(starts.long(), dim=-1) * valid  # [N, T] 1, 2, .. on each answer's tokens, 0 elsewhere
+        answer = answer_index(valid)  # [N, T] 1, 2, .. on each answer's tokens, 0 elsewhere
         lengths = answer.new_zeros(answer.shape[0], answer.shape[1] + 1).scatter_add_(-1, answer, valid.long())  # [N, T+1] answer j's tokens at j
         per_token = lengths.gather(-1, answer).clamp(min=1).to(loss_mat.dtype)  # [N, T] its answer's length
-        return (masked / per_token).sum() / (denom if denom is not None else starts.sum().clamp(min=1))
+        return (masked / per_token).sum() / (denom if denom is not None else answer.amax(dim=-1).sum().clamp(min=1))
     n_seq = denom if denom is not None else loss_mat.shape[0]
     if mode == "seq_mean_token_mean":
         per_seq = masked.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # [N]
