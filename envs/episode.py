@@ -32,7 +32,7 @@ import textwrap
 from typing import Callable
 
 from envs.registry import Family, get_family
-from envs.spec import COMPLETION, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, NEVER_RAN, CheckCalls, OverwriteFile, TaskSpec
 
 REVISE = "Revise your answer.\n"
 MAX_FAILED_SHOWN = 5      # failed tests listed in an observation (the rest are counted)
@@ -68,8 +68,10 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
     """The default feedback: a summary line (tests passed of total, timed out / killed), the
     first failed test, the error tail (the output's last lines: pytest's `E` lines, what a
     script printed, stderr's last lines), then the other failed tests (MAX_FAILED_SHOWN at
-    most). `describe(failed_test)` renders one failed test ({"name", "detail"}); default
-    `name: detail`, a check_calls call as `f(args): expected ..., got ...`."""
+    most). When the answer never ran (it does not parse, or no call got a result) its failed
+    tests say nothing, so the error tail comes first, from its last line up: the exception,
+    then the line it points at. `describe(failed_test)` renders one failed test ({"name",
+    "detail"}); default `name: detail`, a check_calls call as `f(args): expected ..., got ...`."""
     lines = [_summary(feedback, metrics)]
     if feedback is None:
         return lines[0] + "\n"
@@ -79,7 +81,15 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
     if len(failed) > MAX_FAILED_SHOWN:
         shown.append(f"- ... {len(failed) - MAX_FAILED_SHOWN} more failed")
     tail = [_cut(ln) for ln in error_lines(feedback) if not any(ln in s for s in shown)]
+    if _never_ran(failed, metrics):
+        return "\n".join(lines + tail[::-1] + shown) + "\n"
     return "\n".join(lines + shown[:1] + tail + shown[1:]) + "\n"
+
+
+def _never_ran(failed: list[dict], metrics: dict | None) -> bool:
+    """The answer does not parse, or none of its failed calls got a result (the module did not load)."""
+    return (metrics or {}).get("syntax_ok") is False or (
+        bool(failed) and all((t.get("detail") or "").endswith(NEVER_RAN) for t in failed))
 
 
 def default_reprompt(spec: TaskSpec) -> str:

@@ -52,6 +52,11 @@ class RunCommand(_Spec):
                                                     "output, else the exit code, is what is scored).")
 
 
+NEVER_RAN = "no result (the call never ran)"
+"""What a failed check_calls call "got" in the verifier's feedback when the harness has no result for
+it (the module did not load); an observation then shows the error first (envs/episode.py)."""
+
+
 class CheckCalls(_Spec):
     """Call `entry_point` on each hidden test's arguments; results are serialised inside the
     sandbox and compared with the expected values outside it."""

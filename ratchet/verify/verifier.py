@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.runtime import resolve
-from envs.spec import CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, TaskSpec
+from envs.spec import NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, TaskSpec
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -302,7 +302,7 @@ def failed_tests(p: Plan, res: RunResult) -> list[dict]:
         raised = _raised_calls(res.stdout)
         for i, (g, t) in enumerate(zip(got, p.hidden)):
             if not same(g, t.expected, p.tolerance):
-                shown = g if g is not None else raised.get(i, "no result (the call never ran)")
+                shown = g if g is not None else raised.get(i, NEVER_RAN)
                 out.append({"name": f"call {i}", "detail": _short(f"args {t.args}: expected {t.expected}, got {shown}")})
     elif p.kind == "pytest" or (p.command is not None and p.command.pytest):
         for line in res.stdout.splitlines():

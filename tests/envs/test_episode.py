@@ -14,7 +14,7 @@ from envs.episode import (REVISE, continued_header, default_reprompt, feedback_t
 from envs.humaneval import from_humaneval, humaneval_problems
 from envs.importers import from_taskspec
 from envs.registry import all_family_names, get_family
-from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, NEVER_RAN, CallTest, CheckCalls, OverwriteFile, TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import VerifyConfig
 from ratchet.verify import verify_many
@@ -40,6 +40,22 @@ def test_call_failures_then_the_error_tail_then_the_other_failures():
     assert text == ("Tests: 8 of 10 passed.\n- f(3): expected 6, got 5\nTraceback (most recent call last):\n"
                     "File \"solution.py\", line 3\nZeroDivisionError: integer division or modulo by zero\n"
                     "- f(4): expected 7, got 6\nRevise your answer.\ndef f(x):\n")
+
+
+def test_an_answer_that_never_ran_is_told_why_first():
+    """No call got a result: the failed calls say nothing, so the exception and the line it points at
+    come first, where a cut at the observation budget leaves them."""
+    fb = FEEDBACK | {"exit_code": 1, "stderr_tail": "Traceback (most recent call last):\n  File \"solution.py\", line 5\n"
+                                                    "    s = s // 2:]\n               ^\nSyntaxError: unmatched ']'\n",
+                     "failed_tests": [{"name": f"call {i}", "detail": f"args [{i}]: expected 1, got {NEVER_RAN}"}
+                                      for i in range(2)]}
+    want = ("Tests: 0 of 6 passed.\nSyntaxError: unmatched ']'\ns = s // 2:]\nFile \"solution.py\", line 5\n"
+            f"- f(0): expected 1, got {NEVER_RAN}\n- f(1): expected 1, got {NEVER_RAN}\n")
+    spec = _fn_spec(n_tests=6)
+    assert feedback_text(spec, fb, {"tests_passed": 0, "tests_total": 6, "syntax_ok": False}) == want
+    assert feedback_text(spec, fb, {"tests_passed": 0, "tests_total": 6}) == want     # parses, but the module did not load
+    ran = fb | {"failed_tests": fb["failed_tests"][:1] + [{"name": "call 1", "detail": "args [1]: expected 1, got 0"}]}
+    assert feedback_text(spec, ran, {"tests_passed": 0, "tests_total": 6}).splitlines()[1].startswith("- f(0)")
 
 
 def test_pytest_report_gives_its_failed_tests_and_new_e_lines_only():
@@ -131,6 +147,8 @@ def test_every_task_kind_renders_real_feedback(runs, name):
         assert default_reprompt(spec).startswith(REVISE)
         if v.feedback["failed_tests"]:
             assert default.count("\n") >= 2, "a failed test is shown"
+        if answer == "syntax error (" and spec.family in ("python_functions", "humaneval"):
+            assert re.match(r"(Syntax|Indentation)Error: ", default.splitlines()[1]), default    # the error first
 
 
 def test_family_hooks(runs):
