@@ -4,7 +4,8 @@
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
-    python -m bench.multiturn --loss-agg answer_mean_token_mean   # the K-turn run's loss: each answer a sequence
+    python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
+    python -m bench.multiturn --seeds 0 1 2 3       # the README's table: ~95 min
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -17,7 +18,8 @@
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
    sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
    by default "turn", each answer credited with the state it left, a revision among the task's other
-   revisions at its turn), each for waves until it has sampled the budget (the K-turn run's episodes
+   revisions at its turn; `rl.loss_agg` from --loss-agg: by default each answer a sequence in the loss),
+   each for waves until it has sampled the budget (the K-turn run's episodes
    sample more per prompt, so it sees fewer prompts).
    Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
    take about 3.5x as long), so that the cores stay busy across seeds (training is bit-identical
@@ -72,7 +74,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
         train=TrainConfig(seed=seed),
-        rl=RLConfig(**({"loss_agg": args.loss_agg} if turns > 1 else {})),
+        rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
         eval=EvalConfig(n_tasks=args.eval_tasks, min_gain=1.0),
@@ -172,9 +174,9 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
     p.add_argument("--credit", choices=("trajectory", "turn"), default="turn",
                    help="agent.credit of the K-turn run: each answer credited with the episode's final reward, or with its turn's state")
-    p.add_argument("--loss-agg", choices=("seq_mean_token_mean", "answer_mean_token_mean"), default="seq_mean_token_mean",
-                   help="rl.loss_agg of the K-turn run: each episode a sequence, or each answer (the single-turn run's "
-                        "answers are its sequences, so it keeps seq_mean_token_mean, the same loss bit for bit as before)")
+    p.add_argument("--loss-agg", choices=("seq_mean_token_mean", "answer_mean_token_mean"), default="answer_mean_token_mean",
+                   help="rl.loss_agg of the K-turn run: each answer a sequence (the default), or each episode (the single-turn "
+                        "run's answers are its sequences: the two are the same loss for it, bit for bit)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--sft-steps", type=int, default=400, help="model.sft_steps of the shared warm start (make run's: 130)")

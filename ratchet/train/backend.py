@@ -283,8 +283,13 @@ class Trainer(ABC):
     def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
         rl = self.rl
         n_tokens = sum(s.action_tokens for s in minibatch)    # the model's own tokens (observations are not)
-        denom = (n_tokens if rl.loss_agg == "token_mean"       # the whole minibatch's, skipped rows included
-                 else sum(answer_count(loss_mask_of(s)) for s in minibatch) if rl.loss_agg == "answer_mean_token_mean"
+        loss_agg = rl.loss_agg
+        if loss_agg == "answer_mean_token_mean":
+            answers = [answer_count(loss_mask_of(s)) for s in minibatch]
+            if all(n == 1 for n in answers):   # one answer per row: the same loss, by the same code (bit for bit)
+                loss_agg = "seq_mean_token_mean"
+        denom = (n_tokens if loss_agg == "token_mean"       # the whole minibatch's, skipped rows included
+                 else sum(answers) if loss_agg == "answer_mean_token_mean"
                  else len(minibatch))
         max_len = max(s.action_tokens for s in minibatch)
         live = [s for s in minibatch if not self._zero_grad_sample(s)]
@@ -295,9 +300,9 @@ class Trainer(ABC):
         pack = pack_by_prompt if shared else pack_by_tokens
         for micro in pack(live, self.cfg.token_budget):
             if shared:
-                loss, m = self._micro_loss_shared(micro, old, denom, max_len)
+                loss, m = self._micro_loss_shared(micro, old, loss_agg, denom, max_len)
             else:
-                loss, m = self._micro_loss(micro, old, denom, n_tokens, max_len)
+                loss, m = self._micro_loss(micro, old, loss_agg, denom, n_tokens, max_len)
             self._backward(loss)
             for key, v in m.items():  # losses are already minibatch-normalised: sum; rates: average
                 metrics[key] = metrics.get(key, 0.0) + (v if key in SUMMED_METRICS else v * len(micro) / len(live))
@@ -320,16 +325,16 @@ class Trainer(ABC):
             out[b, starts[b]:starts[b] + len(s.completion_ids)] = old[id(s)]
         return out                                                                           # [N, T]
 
-    def _loss(self, logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len):
+    def _loss(self, logp, old_logp, behavior, adv, mask, ref, entropy, loss_agg, denom, max_len):
         rl = self.rl
         return policy_loss(
-            logp, old_logp, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=rl.loss_agg,
+            logp, old_logp, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=loss_agg,
             ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl_estimator,
             entropy=entropy, entropy_coef=rl.entropy_coef, behavior_logprobs=behavior, is_cap=rl.is_cap,
             max_len=max_len, denom=denom,
         )
 
-    def _micro_loss(self, micro, old, denom, n_tokens, max_len) -> tuple[Tensor, dict[str, float]]:
+    def _micro_loss(self, micro, old, loss_agg, denom, n_tokens, max_len) -> tuple[Tensor, dict[str, float]]:
         rl, dev = self.rl, self.device
         ids, attn, mask, behavior, adv = (t.to(dev) for t in collate(micro, self.pad_id))
         logits, values = self._forward(ids, attn, self.ppo)
@@ -342,14 +347,14 @@ class Trainer(ABC):
         if self.ppo:
             returns, old_values = (place_tokens(micro, [torch.tensor(getattr(s, f)) for s in micro], ids.shape[1] - 1).to(dev)
                                    for f in ("returns", "old_values"))                            # [N, L-1] each
-        loss, m = self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
+        loss, m = self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, loss_agg, denom, max_len)
         if self.ppo:
             v_loss = value_loss(values[:, :-1], returns, old_values, mask, denom=n_tokens)  # token mean
             loss = loss + rl.value_coef * v_loss
             m["value_loss"] = float(v_loss.detach())
         return loss, m
 
-    def _micro_loss_shared(self, micro, old, denom, max_len) -> tuple[Tensor, dict[str, float]]:
+    def _micro_loss_shared(self, micro, old, loss_agg, denom, max_len) -> tuple[Tensor, dict[str, float]]:
         """The policy loss on the prompt-shared layout (completion positions only)."""
         rl, dev = self.rl, self.device
         prompt_ids, prompt_attn, index, comp_ids, comp_attn, mask, behavior, adv = (
@@ -363,7 +368,7 @@ class Trainer(ABC):
         if self.ref_model is not None and not rl.kl_in_reward:
             with torch.no_grad():
                 ref = self._ref_shared(prompt_ids, prompt_attn, index, comp_ids, comp_attn)            # [N, C]
-        return self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, denom, max_len)
+        return self._loss(logp, old_logp, behavior, adv, mask, ref, entropy, loss_agg, denom, max_len)
 
     def _ref_shared(self, prompt_ids, prompt_attn, index, comp_ids, comp_attn) -> Tensor:
         ref = PolicyWithValue(self.ref_model, None)

@@ -203,6 +203,12 @@ def test_single_turn_without_a_mask_is_unchanged_bit_for_bit():
             assert torch.equal(x, y)
         for x, y in zip(runs[0].param_grads, runs[1].param_grads):
             assert torch.equal(x, y) and x.abs().sum() > 0
+    # rl.loss_agg answer_mean_token_mean (the default) on rows of one answer each: seq_mean_token_mean, bit for bit
+    for shared in (True, False):
+        runs = [trained(Capture, RLConfig(loss_agg=agg, kl_coef=0.1), [replace(s) for s in base], share_prompts=shared,
+                        minibatch_prompts=2) for agg in ("answer_mean_token_mean", "seq_mean_token_mean")]
+        for x, y in zip(runs[0].losses + runs[0].param_grads, runs[1].losses + runs[1].param_grads):
+            assert torch.equal(x, y)
 
 
 def test_shared_layout_attends_to_observations_like_the_plain_one():
