@@ -81,14 +81,15 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
     if len(failed) > MAX_FAILED_SHOWN:
         shown.append(f"- ... {len(failed) - MAX_FAILED_SHOWN} more failed")
     tail = [_cut(ln) for ln in error_lines(feedback) if not any(ln in s for s in shown)]
-    if _never_ran(failed, metrics):
+    if _never_ran(spec, failed, metrics):
         return "\n".join(lines + tail[::-1] + shown) + "\n"
     return "\n".join(lines + shown[:1] + tail + shown[1:]) + "\n"
 
 
-def _never_ran(failed: list[dict], metrics: dict | None) -> bool:
-    """The answer does not parse, or none of its failed calls got a result (the module did not load)."""
-    return (metrics or {}).get("syntax_ok") is False or (
+def _never_ran(spec: TaskSpec, failed: list[dict], metrics: dict | None) -> bool:
+    """A Python answer that does not parse (`syntax_ok` is about Python: a shell script fails it and
+    still runs), or none of the failed calls got a result (the module did not load)."""
+    return ((metrics or {}).get("syntax_ok") is False and _python_file(spec) is not None) or (
         bool(failed) and all((t.get("detail") or "").endswith(NEVER_RAN) for t in failed))
 
 
@@ -100,8 +101,7 @@ def default_reprompt(spec: TaskSpec) -> str:
 def continued_header(spec: TaskSpec) -> str | None:
     """The `def ...:` line(s) the answer continues, when it is written into a .py file right
     after a function's signature (and docstring): the answer is that function's body."""
-    step = next((s for s in spec.execution_steps
-                 if isinstance(s, OverwriteFile) and COMPLETION in s.content and s.path.endswith(".py")), None)
+    step = _python_file(spec)
     if step is None:
         return None
     lines = step.content.split(COMPLETION, 1)[0].splitlines(keepends=True)
@@ -113,6 +113,12 @@ def continued_header(spec: TaskSpec) -> str | None:
     if j is None:
         return None
     return "".join(lines[i:j + 1]) if _docstring_only("".join(lines[j + 1:])) else None
+
+
+def _python_file(spec: TaskSpec) -> OverwriteFile | None:
+    """The .py file the answer is written into, if any (else the answer is not Python)."""
+    return next((s for s in spec.execution_steps
+                 if isinstance(s, OverwriteFile) and COMPLETION in s.content and s.path.endswith(".py")), None)
 
 
 def _docstring_only(text: str) -> bool:

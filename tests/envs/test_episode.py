@@ -14,7 +14,7 @@ from envs.episode import (REVISE, continued_header, default_reprompt, feedback_t
 from envs.humaneval import from_humaneval, humaneval_problems
 from envs.importers import from_taskspec
 from envs.registry import all_family_names, get_family
-from envs.spec import COMPLETION, NEVER_RAN, CallTest, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, NEVER_RAN, CallTest, CheckCalls, OverwriteFile, RunCommand, TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import VerifyConfig
 from ratchet.verify import verify_many
@@ -56,6 +56,15 @@ def test_an_answer_that_never_ran_is_told_why_first():
     assert feedback_text(spec, fb, {"tests_passed": 0, "tests_total": 6}) == want     # parses, but the module did not load
     ran = fb | {"failed_tests": fb["failed_tests"][:1] + [{"name": "call 1", "detail": "args [1]: expected 1, got 0"}]}
     assert feedback_text(spec, ran, {"tests_passed": 0, "tests_total": 6}).splitlines()[1].startswith("- f(0)")
+    # syntax_ok is about Python: a Python answer that does not parse is told why first whatever its tests say,
+    # a shell script that fails it did run, so its failed command comes first
+    failed_cmd = FEEDBACK | {"exit_code": 3, "stderr_tail": "first\nlast\n",
+                             "failed_tests": [{"name": "sh run.sh", "detail": "exit 3: last"}]}
+    metrics = {"tests_passed": 0, "tests_total": 1, "syntax_ok": False}
+    assert feedback_text(spec, failed_cmd, metrics) == "Tests: 0 of 1 passed.\nfirst\n- sh run.sh: exit 3: last\n"
+    script = TaskSpec(task_id="sh", family="imported", prompt="Write run.sh.\n", reference_solution="echo 3\n",
+                      execution_steps=(OverwriteFile(path="/app/run.sh", content=COMPLETION), RunCommand(command="sh run.sh")))
+    assert feedback_text(script, failed_cmd, metrics) == "Tests: 0 of 1 passed.\n- sh run.sh: exit 3: last\nfirst\n"
 
 
 def test_pytest_report_gives_its_failed_tests_and_new_e_lines_only():
