@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from envs.production import produce
 from envs.snapshot import save_production
-from envs.spec import CallTest
+from envs.spec import NEVER_RAN, CallTest
 from ratchet.cli import app
 from ratchet.config import EnvsConfig, GateConfig, NightlyConfig, RolloutConfig, StoreConfig, VerifyConfig
 from ratchet.data.gates import check_wave
@@ -80,8 +80,10 @@ def test_feedback_of_pytest_script_and_call_tasks():
     calls = spec(1, tests=(CallTest(args="[1]", expected="2"), CallTest(args="[2]", expected="3"),
                            CallTest(args="[0]", expected="1")))
     noisy = "def f1(x):\n    print('x' * 500)\n    return 1 // x + 1\n"
-    pyt, script, call, short, empty = verify_many(
-        [(PYTEST, HALF), (SCRIPT, HALF), (calls, noisy), (calls, "def f1(x):\n    return x + 1\n"), (calls, "")],
+    long = spec(1, tests=(CallTest(args=f"[{list(range(200))}]", expected=str(list(range(100)))),))
+    pyt, script, call, short, empty, unloaded = verify_many(
+        [(PYTEST, HALF), (SCRIPT, HALF), (calls, noisy), (calls, "def f1(x):\n    return x + 1\n"), (calls, ""),
+         (long, "def f1(x):\n    return x\n\nraise RuntimeError('at import')\n")],
         VerifyConfig(timeout_s=60).sandbox_limits(), feedback_bytes=64)      # generous: pytest on a busy machine
     fb = pyt.feedback                               # pytest: the FAILED line with its assertion
     assert fb["exit_code"] == 1 and not fb["timed_out"] and fb["killed_by"] is None, fb
@@ -98,6 +100,9 @@ def test_feedback_of_pytest_script_and_call_tasks():
     assert "@@ratchet-harness@@" not in fb["stdout_tail"] and fb["stdout_tail"].endswith("x" * 40)
     assert short.passed and short.feedback["failed_tests"] == [] and short.feedback["exit_code"] == 0
     assert empty.feedback is None                   # an empty completion is not run
+    (fb,) = unloaded.feedback["failed_tests"]       # long args are cut, not what the call got
+    assert len(fb["detail"]) <= 300 and fb["detail"].startswith("args [[0, 1, 2, ")
+    assert fb["detail"].endswith(f"..., got {NEVER_RAN}") and ": expected [0, 1, " in fb["detail"]
 
 
 # --- a scored wave ---------------------------------------------------------------------------

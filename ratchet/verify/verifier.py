@@ -294,6 +294,17 @@ def _short(text: str, n: int = 300) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
+def _call_detail(args: str, expected: str, got: str, n: int = 300) -> str:
+    """"args A: expected E, got G" in at most n characters. A long one is cut in the args first and
+    then in the expected value, never at its end: what the call got (or that it never ran, which the
+    episode's observation looks for) is always shown."""
+    whole = f"args {args}: expected {expected}, got {got}"
+    if len(whole) <= n:
+        return whole
+    tail = f": expected {_short(expected, 100)}, got {_short(got, 100)}"
+    return f"args {_short(args, n - len(tail) - 5)}{tail}"
+
+
 def failed_tests(p: Plan, res: RunResult) -> list[dict]:
     """The failed hidden tests of one run, [{"name", "detail"}], at most MAX_FAILED_TESTS."""
     out: list[dict] = []
@@ -303,7 +314,7 @@ def failed_tests(p: Plan, res: RunResult) -> list[dict]:
         for i, (g, t) in enumerate(zip(got, p.hidden)):
             if not same(g, t.expected, p.tolerance):
                 shown = g if g is not None else raised.get(i, NEVER_RAN)
-                out.append({"name": f"call {i}", "detail": _short(f"args {t.args}: expected {t.expected}, got {shown}")})
+                out.append({"name": f"call {i}", "detail": _call_detail(str(t.args), str(t.expected), str(shown))})
     elif p.kind == "pytest" or (p.command is not None and p.command.pytest):
         for line in res.stdout.splitlines():
             m = _PYTEST_FAILED.match(line.strip())

@@ -1,6 +1,6 @@
 """run_command verification: pytest and script tasks built here, run in the real sandbox.
 
-    .venv/bin/pytest tests/reward/test_verify.py -q
+    .venv/bin/pytest tests/verify/test_verifier.py -q
 """
 
 import sys
@@ -15,7 +15,7 @@ from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.commands import json_report_counts, parse_command, pytest_counts, pytest_report
 from ratchet.data.schemas import METRICS
-from ratchet.verify.verifier import Plan, _command_passed
+from ratchet.verify.verifier import Plan, _call_detail, _command_passed
 from ratchet.sandbox import Payload, RunResult
 from ratchet.sandbox.host import host_python
 
@@ -185,3 +185,12 @@ def test_metrics_fit_the_trajectory_schema(runs):
     assert all(set(v.metrics) == fields for v in runs.values())
     series = pl.Series("metrics", [v.metrics or None for v in runs.values()], dtype=METRICS)
     assert series.struct.field("tests_passed").to_list() == [3, 2, 0, 1, 0]
+
+
+def test_a_long_call_detail_keeps_what_the_call_got():
+    assert _call_detail("[1]", "2", "3") == "args [1]: expected 2, got 3"             # short: whole
+    got = "no result (the call never ran)"
+    cut = _call_detail(str(list(range(300))), "7", got)                                # long args: cut there
+    assert len(cut) == 300 and cut.startswith("args [0, 1, 2") and cut.endswith("...: expected 7, got " + got)
+    cut = _call_detail("[1]", "x" * 400, "y" * 400)                                    # long values: each cut
+    assert len(cut) <= 300 and cut.startswith("args [1]: expected xxx") and cut.endswith("y...")
