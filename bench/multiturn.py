@@ -27,7 +27,9 @@
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
    greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
    (episodes that failed turn 1 and passed later, over those that failed turn 1); the last-turn gain
-   of K-turn over single-turn is paired by task (bootstrap CI, exact McNemar p).
+   of K-turn over single-turn is paired by task (bootstrap CI, exact McNemar p) for each seed, pooled
+   over the task-seed pairs of all seeds (`gain_last_pooled`), and taken across seeds, each seed's gain
+   one value, with its t-interval (`gain_last_across_seeds`: the one that says what the next seed will do).
 
 The training loop is the nightly's own stages (`tasks/*.fn`: rollout_wave, score_wave, gate_wave,
 train_epoch, evaluate), called in the flow's order without Prefect's run tracking, so that the
@@ -153,6 +155,19 @@ def paired(multi: dict, single: dict) -> dict:
             "mcnemar_p": float(f"{test.p_value:.3g}"), "only_multi": test.b, "only_single": test.c}
 
 
+def across_seeds(gains: list[float]) -> dict:
+    """The seeds' gains as a sample of seeds: their mean and its 95% t-interval (None for one seed).
+    The interval a claim about "a run of this recipe" has to live with: a pooled CI over task-seed
+    pairs shows that the pairs differ, not that the next seed will."""
+    from scipy.stats import t
+
+    mean, n = statistics.fmean(gains), len(gains)
+    if n < 2:
+        return {"mean": round(mean, 4), "ci95": None}
+    half = float(t.ppf(0.975, n - 1)) * statistics.stdev(gains) / n ** 0.5
+    return {"mean": round(mean, 4), "ci95": [round(mean - half, 4), round(mean + half, 4)]}
+
+
 def train_in_child(store: str, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout) -> dict:
     """`train` in a process of its own (spawned), on its share of the cores, with its own Prefect test server."""
     import torch
@@ -198,15 +213,23 @@ def main() -> None:
         warm_passed = warm.pop("passed")
         spawn = multiprocessing.get_context("spawn")
         arms = (("multi", args.turns), ("single", 1))   # the K-turn runs first: they are the long ones
+        pooled_multi, pooled_single = {}, {}           # (seed, task) -> passed at the last turn
         with ProcessPoolExecutor(max_workers=2, mp_context=spawn) as pool:
             runs = {(name, seed): pool.submit(train_in_child, tmp, f"{name}-{seed}", args, seed, turns, model_path,
                                               train_refs, heldout)
                     for name, turns in arms for seed in args.seeds}
-            for seed in args.seeds:
-                single, multi = runs["single", seed].result(), runs["multi", seed].result()
-                per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
-                                 "gain_last": paired(multi.pop("passed"), single.pop("passed"))})
-                print(json.dumps(per_seed[-1]), flush=True)
+            try:
+                for seed in args.seeds:
+                    single, multi = runs["single", seed].result(), runs["multi", seed].result()
+                    multi_passed, single_passed = multi.pop("passed"), single.pop("passed")
+                    pooled_multi |= {(seed, t): v for t, v in multi_passed.items()}
+                    pooled_single |= {(seed, t): v for t, v in single_passed.items()}
+                    per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
+                                     "gain_last": paired(multi_passed, single_passed)})
+                    print(json.dumps(per_seed[-1]), flush=True)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # a failed run: the queued ones do not start
+                raise
 
     def summary(side: str) -> dict:
         out = {}
@@ -219,7 +242,9 @@ def main() -> None:
     gains = [r["gain_last"]["estimate"] for r in per_seed]
     print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
-                      "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)], "seeds": args.seeds,
+                      "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
+                      "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
+                      "seeds": args.seeds,
                       "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
