@@ -18,6 +18,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from envs.episode import feedback_text
 from envs.production import produce
 from envs.snapshot import save_production
 from envs.spec import NEVER_RAN, CallTest
@@ -102,7 +103,8 @@ def test_feedback_of_pytest_script_and_call_tasks():
     assert empty.feedback is None                   # an empty completion is not run
     (fb,) = unloaded.feedback["failed_tests"]       # long args are cut, not what the call got
     assert len(fb["detail"]) <= 300 and fb["detail"].startswith("args [[0, 1, 2, ")
-    assert fb["detail"].endswith(f"..., got {NEVER_RAN}") and ": expected [0, 1, " in fb["detail"]
+    assert fb["detail"].endswith(f"..., got {NEVER_RAN}") and "...]: expected [0, 1, " in fb["detail"]
+    assert feedback_text(long, unloaded.feedback, unloaded.metrics).splitlines()[-1].startswith("- f1([0, 1, 2, ")  # a call
 
 
 # --- a scored wave ---------------------------------------------------------------------------

@@ -295,14 +295,18 @@ def _short(text: str, n: int = 300) -> str:
 
 
 def _call_detail(args: str, expected: str, got: str, n: int = 300) -> str:
-    """"args A: expected E, got G" in at most n characters. A long one is cut in the args first and
-    then in the expected value, never at its end: what the call got (or that it never ran, which the
-    episode's observation looks for) is always shown."""
+    """"args A: expected E, got G" in at most n characters. A long one is cut in the args first (inside
+    their brackets, so that the observation can still write it as a call) and then in the expected
+    value, never at its end: what the call got (or that it never ran, which the episode's observation
+    looks for) is always shown."""
     whole = f"args {args}: expected {expected}, got {got}"
     if len(whole) <= n:
         return whole
     tail = f": expected {_short(expected, 100)}, got {_short(got, 100)}"
-    return f"args {_short(args, n - len(tail) - 5)}{tail}"
+    room = n - len(tail) - len("args ")
+    if args.startswith("[") and args.endswith("]"):
+        return f"args [{_short(args[1:-1], room - 2)}]{tail}"
+    return f"args {_short(args, room)}{tail}"
 
 
 def failed_tests(p: Plan, res: RunResult) -> list[dict]:

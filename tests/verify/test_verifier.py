@@ -190,7 +190,8 @@ def test_metrics_fit_the_trajectory_schema(runs):
 def test_a_long_call_detail_keeps_what_the_call_got():
     assert _call_detail("[1]", "2", "3") == "args [1]: expected 2, got 3"             # short: whole
     got = "no result (the call never ran)"
-    cut = _call_detail(str(list(range(300))), "7", got)                                # long args: cut there
-    assert len(cut) == 300 and cut.startswith("args [0, 1, 2") and cut.endswith("...: expected 7, got " + got)
+    cut = _call_detail(str(list(range(300))), "7", got)                                # long args: cut there,
+    assert len(cut) == 300 and cut.startswith("args [0, 1, 2") and cut.endswith("...]: expected 7, got " + got)
+    assert _call_detail("x" * 400, "7", got).endswith("x...: expected 7, got " + got)     # inside their brackets
     cut = _call_detail("[1]", "x" * 400, "y" * 400)                                    # long values: each cut
     assert len(cut) <= 300 and cut.startswith("args [1]: expected xxx") and cut.endswith("y...")
