@@ -97,7 +97,7 @@ def test_feedback_of_pytest_script_and_call_tasks():
     fb = call.feedback                              # calls: args, expected and got, outside the sandbox
     assert call.metrics["tests_passed"] == 1 and [t["name"] for t in fb["failed_tests"]] == ["call 1", "call 2"]
     assert fb["failed_tests"][0]["detail"] == "args [2]: expected 3, got 1"
-    assert fb["failed_tests"][1]["detail"] == "args [0]: expected 1, got raised ZeroDivisionError"
+    assert fb["failed_tests"][1]["detail"] == "args [0]: expected 1, got raised ZeroDivisionError: integer division or modulo by zero"
     assert "@@ratchet-harness@@" not in fb["stdout_tail"] and fb["stdout_tail"].endswith("x" * 40)
     assert short.passed and short.feedback["failed_tests"] == [] and short.feedback["exit_code"] == 0
     assert empty.feedback is None                   # an empty completion is not run
@@ -116,7 +116,7 @@ def test_scored_wave_keeps_feedback_and_passes_the_gate(wave):
     assert scored["reward"].to_list() == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     assert scored["feedback"].is_null().to_list() == [False, False, True, False, False, False, False, False]
     fb = scored["feedback"][5]
-    assert len(fb["failed_tests"]) == len(b.tests) and fb["failed_tests"][0]["detail"].endswith("got raised ValueError")
+    assert len(fb["failed_tests"]) == len(b.tests) and fb["failed_tests"][0]["detail"].endswith("got raised ValueError: no idea")
     report = check_wave(scored, GateConfig(max_zero_variance_frac=1.0))
     assert report.success, report.to_markdown()
     record = store.get_json(f"runs/{RUN}/waves/{STEP:06d}/scoring.json")

@@ -20,6 +20,11 @@ Arguments may use the same tags (a JSON array of positional arguments whose item
 they are rebuilt as those Python values before the call, so a result recorded from a call
 with a tuple or a non-string dict key can be replayed (`envs.importers`, HumanEval).
 
+What the model reads when it fails (the episode's observation): a call that raised prints
+"!Type: its message" (on one line, cut at RAISED_MESSAGE_CHARS; never compared, only shown), and an
+answer that does not load prints its traceback from its own frames down, with its source lines
+(registered with linecache: the answer is compiled from a string), not the harness's.
+
 What this does not stop: the completion runs in the same process first, so it can read the
 harness's marker and print forged result lines. Forging only helps if it already knows the
 expected values (which the verifier keeps outside), and the parser takes the last line per
@@ -28,8 +33,10 @@ call, written by the harness after the call returns.
 from __future__ import annotations
 
 import json
+import re
 
 MARK = "@@ratchet-harness@@"
+RAISED_MESSAGE_CHARS = 120      # a call that raised reports "!Type: its message", the message on one line, cut here
 
 _TEMPLATE = r'''
 import sys as _s, os as _o, json as _j, ast as _a
@@ -71,7 +78,7 @@ def _mk(_type=type, _int=int, _float=float, _str=str, _bool=bool, _list=list, _t
         raise TypeError("not plain data: " + t.__name__)
     return enc
 _enc = _mk()
-_w, _loads, _lit, _exit, _flush_o, _flush_e = _o.write, _j.loads, _a.literal_eval, _o._exit, _s.stdout.flush, _s.stderr.flush
+_w, _loads, _lit, _exit, _flush_o, _flush_e, _text = _o.write, _j.loads, _a.literal_eval, _o._exit, _s.stdout.flush, _s.stderr.flush, str
 _M = MARK_
 def _out(line):
     try:
@@ -109,10 +116,13 @@ def _args(s):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _ok = True
+_src = COMPLETION_
 try:
-    exec(compile(COMPLETION_, "solution.py", "exec"), _ns)
+    exec(compile(_src, "solution.py", "exec"), _ns)
 except BaseException as _e:
-    import traceback as _tb; _tb.print_exc(); _ok = False
+    import traceback as _tb, linecache as _lc
+    _lc.cache["solution.py"] = (len(_src), None, _src.splitlines(True), "solution.py")
+    _tb.print_exception(type(_e), _e, _e.__traceback__.tb_next); _ok = False
 _ARGS = ARGS_
 _out(_M + "\tBEGIN\t%d" % len(_ARGS))
 for _i, _raw in enumerate(_ARGS):
@@ -126,6 +136,11 @@ for _i, _raw in enumerate(_ARGS):
             _line = _M + "\t%d\t!%s" % (_i, type(_e).__name__)
         except BaseException:
             _line = _M + "\t%d\t!error" % _i
+        try:
+            _msg = " ".join(_text(_e).split())     # feedback for the model, not a result: never compared
+            _line += (": " + _msg[:MSG_] + ("..." if len(_msg) > MSG_ else "")) if _msg else ""
+        except BaseException:
+            pass
     _out(_line)
 _out(_M + "\tEND\t%d" % len(_ARGS))
 _exit(0)
@@ -136,8 +151,10 @@ def call_harness(completion: str, entry_point: str, args_list: list[str]) -> str
     """Python source that runs `completion`, then prints `entry_point(*args)` as plain-data
     JSON for each args in args_list (each a JSON array of positional arguments, or a Python
     literal list/tuple), one marked line per call."""
-    src = _TEMPLATE.replace("MARK_", repr(MARK)).replace("COMPLETION_", repr(completion))
-    return src.replace("ARGS_", repr([str(a) for a in args_list])).replace("ENTRY_", repr(entry_point))
+    values = {"MARK_": repr(MARK), "MSG_": str(RAISED_MESSAGE_CHARS), "COMPLETION_": repr(completion),
+              "ARGS_": repr([str(a) for a in args_list]), "ENTRY_": repr(entry_point)}
+    # one pass: what is filled in is not searched again (an answer that says "ARGS_" stays as written)
+    return re.sub(r"\b(?:MARK|MSG|COMPLETION|ARGS|ENTRY)_\b", lambda m: values[m.group(0)], _TEMPLATE)
 
 
 def parse_harness_output(stdout: str, n: int | None = None) -> list[str | None]:

@@ -332,7 +332,7 @@ def failed_tests(p: Plan, res: RunResult) -> list[dict]:
 
 
 def _raised_calls(stdout: str) -> dict[int, str]:
-    """{call index: "raised NameOfException"} from the harness's "!Exception" result lines."""
+    """{call index: "raised NameOfException: its message"} from the harness's "!Exception: message" result lines."""
     out = {}
     for line in stdout.splitlines():
         parts = line.split("\t", 2)

@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ratchet.sandbox.cli import app
-from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
+from ratchet.sandbox.harness import MARK, RAISED_MESSAGE_CHARS, call_harness, parse_harness_output
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,6 +36,39 @@ def test_harness_defeats_eq_and_subclass_tricks():
 def test_harness_completion_that_does_not_import():
     out = _run_plain(call_harness("def f(:\n", "f", ["[1]", "[2]"]))
     assert parse_harness_output(out, n=2) == [None, None]
+
+
+def _run_plain_both(code: str) -> tuple[str, str]:
+    res = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=30)
+    return res.stdout, res.stderr
+
+
+def test_harness_says_why_a_call_raised_on_one_cut_line():
+    comp = ("class Loud(Exception):\n    def __str__(s): raise RuntimeError\n"
+            "def f(k):\n    if k == 1: return [][1]\n    if k == 2: raise ValueError('a\\nb\\t' + 'x' * 500)\n"
+            "    if k == 3: raise Loud()\n    raise KeyError\n")
+    out = _run_plain(call_harness(comp, "f", ["[1]", "[2]", "[3]", "[4]"]))
+    lines = [ln.split("\t", 2)[2] for ln in out.splitlines() if ln.startswith(MARK + "\t") and ln.split("\t")[1].isdigit()]
+    assert lines[0] == "!IndexError: list index out of range"
+    assert lines[1] == f"!ValueError: a b {'x' * (RAISED_MESSAGE_CHARS - 4)}..."     # one line, tabs too
+    assert lines[2:] == ["!Loud", "!KeyError"]          # a message that cannot be read, an empty one: the type
+    assert parse_harness_output(out) == [None] * 4
+
+
+def test_harness_traceback_shows_the_answers_line_not_the_harness():
+    comp = "def f(x):\n    return x\n\nvalue = {}['missing']\n"
+    out, err = _run_plain_both(call_harness(comp, "f", ["[1]"]))
+    assert parse_harness_output(out, n=1) == [None]
+    lines = err.splitlines()        # (a caret line under the code, or none, depending on Python's version)
+    assert lines[:3] == ["Traceback (most recent call last):", '  File "solution.py", line 4, in <module>',
+                         "    value = {}['missing']"] and lines[-1] == "KeyError: 'missing'"
+    assert err.count("File ") == 1                      # the harness's own frame is not shown
+
+
+def test_harness_fills_its_template_once():
+    comp = "ARGS_ = 'ENTRY_'\ndef f(x):\n    return [ARGS_, 'MARK_', 'COMPLETION_', 'MSG_', x]\n"
+    got = parse_harness_output(_run_plain(call_harness(comp, "f", ['["ENTRY_"]'])))
+    assert got == ['["ENTRY_","MARK_","COMPLETION_","MSG_","ENTRY_"]']
 
 
 def test_harness_last_line_wins_over_forged_lines():
