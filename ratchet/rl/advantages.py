@@ -69,6 +69,14 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.view(-1, group_size)  # [B, G]
 
 
+def _centred(g: Tensor) -> Tensor:
+    """g [B, G] minus each group's mean, exactly 0 in a group whose rewards are all equal: in float32 the
+    mean of eight 0.9s is one ulp off 0.9, and GRPO's std division would turn that 6e-8 into an
+    advantage of 0.06 group-stds, one sign for the whole group."""
+    tied = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)  # [B, 1]
+    return torch.where(tied, torch.zeros_like(g), g - g.mean(dim=1, keepdim=True))  # [B, G]
+
+
 @register_estimator("grpo")
 def grpo(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     """GRPO: A_i = (r_i - mean_g) / (std_g + eps) (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
@@ -77,9 +85,8 @@ def grpo(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
     A group whose rewards are all equal gets advantage 0.
     """
     g = _grouped(rewards, group_size)  # [B, G]
-    mean = g.mean(dim=1, keepdim=True)  # [B, 1]
-    std = g.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)  # [B, 1]
-    return ((g - mean) / (std + eps)).flatten()  # [B*G]
+    std = g.std(dim=1, keepdim=True) if group_size > 1 else g.new_zeros(g.shape[0], 1)  # [B, 1]
+    return (_centred(g) / (std + eps)).flatten()  # [B*G]
 
 
 @register_estimator("dr_grpo")
@@ -90,8 +97,7 @@ def dr_grpo(rewards: Tensor, group_size: int) -> Tensor:
     drops it, and pairs it with no per-sequence length normalisation in the loss:
     use `loss_agg="seq_mean_token_sum_norm"` (or "token_mean") with it.
     """
-    g = _grouped(rewards, group_size)  # [B, G]
-    return (g - g.mean(dim=1, keepdim=True)).flatten()  # [B*G]
+    return _centred(_grouped(rewards, group_size)).flatten()  # [B*G]
 
 
 @register_estimator("rloo")
@@ -103,9 +109,7 @@ def rloo(rewards: Tensor, group_size: int) -> Tensor:
     """
     if group_size < 2:
         raise ValueError(f"rloo needs group_size >= 2, got {group_size}")
-    g = _grouped(rewards, group_size)  # [B, G]
-    baseline = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)  # [B, G] mean of the others
-    return (g - baseline).flatten()  # [B*G]
+    return (_centred(_grouped(rewards, group_size)) * (group_size / (group_size - 1))).flatten()  # [B*G]
 
 
 @register_estimator("reinforce_pp")
@@ -121,7 +125,7 @@ def reinforce_pp(rewards: Tensor, group_size: int, eps: float = 1e-6, baseline: 
     """
     g = _grouped(rewards, group_size)  # [B, G]
     if baseline:
-        g = g - g.mean(dim=1, keepdim=True)  # [B, G]
+        g = _centred(g)  # [B, G]
     flat = g.flatten()  # [B*G]
     std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype, device=flat.device)  # []
     return (flat - flat.mean()) / (std + eps)  # [B*G]

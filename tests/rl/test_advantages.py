@@ -47,6 +47,20 @@ def test_grpo_zero_variance_group_is_zero():
     close(grpo(torch.tensor([2.0, 2.0, 2.0]), 3), [0.0, 0.0, 0.0])
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+@pytest.mark.parametrize("value", [0.9, 1 / 3, 0.95, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tied_group_is_exactly_zero(name, value, dtype):
+    """A group of equal rewards that are not exact in binary (a revision's 0.9 after a turn penalty, 2 of 6
+    tests passed) gets exactly 0: the group mean is an ulp off, and GRPO divided that by a std of the same
+    order, giving every sample of the group one nonzero advantage (-0.056 for eight 0.9s in float32)."""
+    tied = torch.full((8,), value, dtype=dtype)
+    assert compute_advantages(name, tied, 8).abs().max().item() == 0.0
+    mixed = torch.cat([tied, torch.tensor([0.0, 1.0] * 4, dtype=dtype)])  # a tied group beside a mixed one
+    adv = compute_advantages(name, mixed, 8)
+    assert adv[:8].abs().max().item() == 0.0 and adv[8:].abs().min().item() > 0.1
+
+
 def test_dr_grpo_by_hand():
     # r - group mean, no std: group 1 mean 0.5, group 2 mean 0.75
     close(dr_grpo(REWARDS, 4), [0.5, -0.5, -0.5, 0.5, 2.25, -0.75, -0.75, -0.75])
