@@ -270,7 +270,10 @@ class RLConfig(Frozen):
         "+5.8 points over 4 seeds against +2.4 with seq_mean_token_mean.",
     )
     kl_coef: float = Field(0.0, ge=0, le=10, description="KL-to-reference coefficient; 0 skips the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (Schulman's k1/k2/k3).")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k2", description="KL estimator (Schulman's k1/k2/k3). In the loss, k2's gradient is that of KL(pi || pi_ref), "
+        "k3's that of KL(pi_ref || pi) (DeepSeekMath's GRPO), and k1's is zero in expectation, so k1 is refused there; "
+        "in the reward (kl_in_reward) all three estimate KL(pi || pi_ref).")
     kl_in_reward: bool = Field(False, description="Apply the KL penalty to the reward instead of the loss.")
     entropy_coef: float = Field(0.0, ge=0, le=1, description="Entropy bonus coefficient.")
     is_cap: float = Field(2.0, ge=1, le=100, description="Truncation of the off-policy importance weight (TIS).")
@@ -278,6 +281,13 @@ class RLConfig(Frozen):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (PPO only).")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO only).")
     value_coef: float = Field(0.5, ge=0, le=10, description="Value loss coefficient (PPO only).")
+
+    @model_validator(mode="after")
+    def _kl_in_the_loss_has_a_gradient(self):
+        if self.kl_coef > 0 and not self.kl_in_reward and self.kl_estimator == "k1":
+            raise ValueError("rl.kl_estimator 'k1' in the loss has zero expected gradient (no KL control, only "
+                             "variance): use 'k2' or 'k3' there, or set rl.kl_in_reward")
+        return self
 
 
 class TrainConfig(Frozen):

@@ -84,3 +84,15 @@ def test_one_limits_mapping():
 
     limits = VerifyConfig(timeout_s=3.0, memory_mb=256).sandbox_limits()
     assert (limits.wall_s, limits.cpu_s, limits.memory_mb) == (3.0, 3.0, 256)
+
+
+def test_kl_k1_is_refused_in_the_loss_only():
+    """k1's gradient is zero in expectation (tests/rl/test_losses.py): in the loss it would be a KL that controls
+    nothing; in the reward it is an unbiased value."""
+    from ratchet.config import RLConfig
+
+    with pytest.raises(ValueError, match="'k1' in the loss has zero expected gradient"):
+        RLConfig(kl_coef=0.1, kl_estimator="k1")
+    assert RLConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True).kl_estimator == "k1"
+    assert RLConfig(kl_estimator="k1").kl_coef == 0.0  # no KL term at all: nothing to refuse
+    assert RLConfig().kl_estimator == "k2"

@@ -26,6 +26,8 @@ from ratchet.rl.advantages import answer_index
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm",
                   "answer_mean_token_mean"]
+IN_LOSS: tuple[str, ...] = ("k2", "k3")
+"""KL estimators whose gradient in the loss controls a KL (k2: KL(pi || pi_ref), k3: KL(pi_ref || pi))."""
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: keeps ratios finite on garbage tokens (as verl does)
 
 
@@ -35,6 +37,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = 
     With log r = log pi_ref(x) - log pi(x):  k1 = -log r (unbiased, can be negative per token),
     k2 = (log r)^2 / 2 (biased, low variance), k3 = (r - 1) - log r (unbiased, always >= 0).
     The log-ratio is clamped to +-20 before k3's exp. Returns [N, T].
+
+    As values they estimate the same KL; as a loss term, differentiated through log pi, they do not
+    (Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477):
+    under x ~ pi the expected gradient of k2 is that of KL(pi || pi_ref), k3's is that of the reverse
+    KL(pi_ref || pi) (DeepSeekMath's GRPO term), and k1's is E[grad log pi] = 0: no KL control at all,
+    only variance. `policy_loss` refuses k1 (`IN_LOSS`); `kl_in_reward` uses the value, where all three work.
     """
     log_r = (ref_logprobs - logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N, T]
     if estimator == "k1":
@@ -102,7 +110,7 @@ def policy_loss(
     loss_agg: LossAgg = "token_mean",
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
+    kl_estimator: KLEstimator = "k2",
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
     behavior_logprobs: Tensor | None = None,
@@ -118,13 +126,18 @@ def policy_loss(
     multiplied by the truncated importance weight min(pi_old / pi_behav, is_cap), detached — the
     decoupled objective of Hilton et al. 2021 (arXiv:2110.00641) with IMPALA's truncation
     (arXiv:1802.01561), cf. "Your efficient RL framework secretly brings you off-policy RL training"
-    (Yao et al. 2025). Plus kl_coef * KL(pi || pi_ref) and minus entropy_coef * entropy, per token;
-    all aggregated by `loss_agg`. advantages: [N] (one per sequence) or [N, T].
-    Metrics (floats): pg_loss, clip_frac(_low/_high), approx_kl (KL(pi_old || pi), k3), kl (to the ref; 0 if
-    none), entropy (0 if none), is_weight_mean / is_capped_frac (1 / 0 if on-policy), ratio_mean.
+    (Yao et al. 2025). Plus kl_coef * `kl_estimator` of KL to the reference (k2, the default: its gradient is
+    that of KL(pi || pi_ref); k3: of KL(pi_ref || pi); see `kl_penalty`) and minus entropy_coef * entropy,
+    per token; all aggregated by `loss_agg`. advantages: [N] (one per sequence) or [N, T].
+    Metrics (floats): pg_loss, clip_frac(_low/_high), approx_kl (KL(pi_old || pi), k3), kl (KL(pi || pi_ref)
+    by k3, the unbiased value, whatever the loss's estimator; 0 if no ref), entropy (0 if none),
+    is_weight_mean / is_capped_frac (1 / 0 if on-policy), ratio_mean.
     """
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("policy_loss: kl_coef > 0 needs ref_logprobs")
+    if kl_coef > 0 and kl_estimator not in IN_LOSS:
+        raise ValueError(f"policy_loss: kl_estimator {kl_estimator!r} in the loss has zero expected gradient (no KL "
+                         f"control); use one of {list(IN_LOSS)}, or put the KL in the reward")
     if entropy_coef > 0 and entropy is None:
         raise ValueError("policy_loss: entropy_coef > 0 needs entropy")
     valid = mask.to(torch.bool)  # [N, T]
@@ -139,9 +152,8 @@ def policy_loss(
         log_w = (old_logprobs - behavior_logprobs).detach()  # [N, T] log(pi_old / pi_behav)
         is_w, capped = log_w.clamp(max=math.log(is_cap)).exp(), log_w >= math.log(is_cap)  # [N, T] min(w, cap)
     loss_mat = pg * is_w  # [N, T]
-    kl = kl_penalty(logprobs, ref_logprobs, kl_estimator) if ref_logprobs is not None else None  # [N, T]
     if kl_coef > 0:
-        loss_mat = loss_mat + kl_coef * kl  # [N, T]
+        loss_mat = loss_mat + kl_coef * kl_penalty(logprobs, ref_logprobs, kl_estimator)  # [N, T]
     if entropy_coef > 0:
         loss_mat = loss_mat - entropy_coef * entropy  # [N, T]
     loss = aggregate(loss_mat, mask, loss_agg, max_len, denom)  # []
@@ -154,7 +166,7 @@ def policy_loss(
             "clip_frac_low": clipped & (ratio < 1),
             "clip_frac_high": clipped & (ratio > 1),
             "approx_kl": kl_penalty(old_logprobs, logprobs, "k3"),  # KL(pi_old || pi), samples from pi_old
-            "kl": kl if kl is not None else torch.zeros_like(pg),
+            "kl": kl_penalty(logprobs, ref_logprobs, "k3") if ref_logprobs is not None else torch.zeros_like(pg),
             "entropy": entropy if entropy is not None else torch.zeros_like(pg),
             "is_weight_mean": is_w,
             "is_capped_frac": capped,

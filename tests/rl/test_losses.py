@@ -130,15 +130,39 @@ def test_policy_loss_by_hand():
 
 def test_policy_loss_kl_and_entropy_terms_by_hand():
     lp = torch.zeros(1, 2)  # pi = 1 -> ratio 1, pg = -A = -1 per token
-    ref = torch.tensor([[LN(0.5), 0.0]])  # k1 = [ln 2, 0]
+    ref = torch.tensor([[LN(0.5), 0.0]])  # k2 = [0.5 * ln(2)^2, 0] = [0.2402265, 0]; k3 = [0.5 - 1 + ln 2, 0]
     ent = torch.tensor([[2.0, 4.0]])
-    # per token: -1 + 0.1 * [0.6931472, 0] - 0.01 * [2, 4] -> mean = -1 + 0.0346574 - 0.03 = -0.9953426
+    # per token: -1 + 0.1 * [0.2402265, 0] - 0.01 * [2, 4] -> mean = -1 + 0.0120113 - 0.03 = -1.0179887
     loss, m = policy_loss(lp, lp, torch.tensor([1.0]), torch.ones(1, 2), ref_logprobs=ref, kl_coef=0.1,
-                          kl_estimator="k1", entropy=ent, entropy_coef=0.01)
-    close(loss, -0.9953426)
-    assert m["kl"] == pytest.approx(0.3465736) and m["entropy"] == pytest.approx(3.0)
+                          entropy=ent, entropy_coef=0.01)
+    close(loss, -1.0179887)
+    assert m["kl"] == pytest.approx(0.0965736) and m["entropy"] == pytest.approx(3.0)  # the metric is k3's value
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(lp, lp, torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.1)
+    with pytest.raises(ValueError, match="'k1' in the loss has zero expected gradient"):
+        policy_loss(lp, lp, torch.tensor([1.0]), torch.ones(1, 2), ref_logprobs=ref, kl_coef=0.1, kl_estimator="k1")
+
+
+def test_kl_in_the_loss_follows_the_gradient_it_names():
+    """Exact expectation over a 5-way softmax pi, x ~ pi (Tang & Munos 2025): the gradient of the KL term in
+    the loss is grad KL(pi || ref) for k2, grad KL(ref || pi) for k3 and 0 for k1 (why k1 is refused there)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, generator=gen, dtype=torch.float64)
+    ref = torch.log_softmax(torch.randn(5, generator=gen, dtype=torch.float64), -1)
+
+    def grad(f):
+        x = logits.clone().requires_grad_(True)
+        f(torch.log_softmax(x, -1)).backward()
+        return x.grad
+
+    pi = torch.softmax(logits, -1)  # the sampling distribution, no gradient
+    expected = {e: grad(lambda lp, e=e: (pi * kl_penalty(lp, ref, e)).sum()) for e in ("k1", "k2", "k3")}
+    forward = grad(lambda lp: (lp.exp() * (lp - ref)).sum())   # KL(pi || ref)
+    reverse = grad(lambda lp: (ref.exp() * (ref - lp)).sum())  # KL(ref || pi)
+    torch.testing.assert_close(expected["k2"], forward)
+    torch.testing.assert_close(expected["k3"], reverse)
+    torch.testing.assert_close(expected["k1"], torch.zeros(5, dtype=torch.float64))
+    assert (forward - reverse).abs().max() > 0.05  # the two directions differ here
 
 
 def test_clip_higher_is_asymmetric():
