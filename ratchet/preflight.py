@@ -18,8 +18,8 @@ show up minutes (or waves) later, found in a second and reported all at once.
   "on", and a context (max_position_embeddings) that holds model.max_seq_len and the completions;
 - model.device "cuda": a GPU is visible;
 - envs: every family is registered; version is one store key component; every task source
-  (`envs.sources`) can be read and has at least one good task line (an s3:// source must lie in
-  the store; it is read when the run imports it);
+  (`envs.sources`) can be read and has at least one good task line, and tasks of both splits (an
+  s3:// source must lie in the store; it is read when the run imports it);
 - the embedded model: hidden_size splits into num_heads heads of even size (rotary);
   rollout.max_new_tokens leaves room for a prompt in model.max_seq_len;
 - train.backend deepspeed: deepspeed is installed.
@@ -251,8 +251,9 @@ def _envs(cfg: NightlyConfig) -> list[str]:
 
 
 def _sources(cfg: NightlyConfig) -> list[str]:
-    """Each task source can be read and imports at least one good task (bad lines are the run's
-    to quarantine; a file with no good line is a problem now)."""
+    """Each task source can be read, imports at least one good task (bad lines are the run's to
+    quarantine; a file with no good line is a problem now) and has tasks of both splits: the run
+    gates each source's audited train and held-out tables as non-empty, after auditing them all."""
     from envs.sources import SourceError, parse_source, read_source
 
     problems = []
@@ -263,7 +264,13 @@ def _sources(cfg: NightlyConfig) -> list[str]:
                     problems.append(f"envs.sources: task source {source!r}: an s3:// source must lie in the run's "
                                     f"store ({cfg.store.uri})")
                 continue
-            parse_source(source, read_source(source))
+            res, _ = parse_source(source, read_source(source))   # each spec's split as the import sets it
+            splits = {spec.split for spec in res.specs}
+            for split, what, other in (("heldout", "held-out", "train"), ("train", "training", "heldout")):
+                if split not in splits:
+                    problems.append(f"envs.sources: task source {source!r} has no {what} tasks (every task's split "
+                                    f"is {other}: a line's own \"split\", else 1 task id in 10 held out by a hash; "
+                                    f"give some lines \"split\": \"{split}\")")
         except SourceError as e:
             problems.append(f"envs.sources: {e}")
     return problems

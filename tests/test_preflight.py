@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -118,10 +119,17 @@ def test_s3_without_endpoint_or_credentials(monkeypatch):
     assert len(problems) == 2 and "RATCHET_S3_ENDPOINT" in problems[0] and "AWS_ACCESS_KEY_ID" in problems[1]
 
 
+TASK = {"task_id": "t1", "prompt": "p", "execution_steps": [{"action": "check_calls", "entry_point": "f"}],
+        "tests": [{"args": "[1]", "expected": "2"}]}
+
+
+def _tasks(*ids_splits) -> str:
+    return "".join(json.dumps({**TASK, "task_id": i, **({"split": s} if s else {})}) + "\n" for i, s in ids_splits)
+
+
 def test_task_sources(tmp_path):
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
-    good.write_text(json.dumps({"task_id": "t1", "prompt": "p", "execution_steps": [
-        {"action": "check_calls", "entry_point": "f"}], "tests": [{"args": "[1]", "expected": "2"}]}) + "\nnot json\n")
+    good.write_text(_tasks(("t1", None), ("t2", "heldout")) + "not json\n")
     bad.write_text("not json\n")
     store = StoreConfig(uri=str(tmp_path / "store"))
     assert check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(good),)))) == []   # a bad line: the run's to quarantine
@@ -130,3 +138,34 @@ def test_task_sources(tmp_path):
     assert [p.split(": ", 1)[0] for p in problems] == ["envs.sources"] * 3
     assert "no good task line (1 bad; first: " in problems[0] and f"{bad}:1: field '(json)'" in problems[0]
     assert "no such file" in problems[1] and "must lie in the run's store" in problems[2]
+
+
+def test_a_task_source_needs_both_splits(tmp_path):
+    """The run gates each source's audited train and held-out tables as non-empty: a file whose
+    tasks all fall in one split (declared, or by the task-id hash of envs.importers.default_split:
+    't3' is held out, 't1' and 't2' are not) is named now, not after auditing every task."""
+    store = StoreConfig(uri=str(tmp_path / "store"))
+
+    def problems(text: str) -> list[str]:
+        (tmp_path / "t.jsonl").write_text(text)
+        return check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(tmp_path / "t.jsonl"),))))
+
+    assert problems(_tasks(("t1", None), ("t3", None))) == []                      # the hash holds t3 out
+    assert problems(_tasks(("t1", "heldout"), ("t2", None))) == []                 # a declared split wins
+    (train_only,) = problems(_tasks(("t1", None), ("t2", None), ("t3", "train")))
+    assert train_only.startswith(f"envs.sources: task source {str(tmp_path / 't.jsonl')!r} has no held-out tasks "
+                                 "(every task's split is train"), train_only
+    (held_only,) = problems(_tasks(("t1", "heldout"), ("t3", None)))
+    assert "has no training tasks (every task's split is heldout" in held_only
+
+
+def test_a_task_file_with_no_held_out_tasks_stops_run_with_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ratchet.cli import app
+
+    monkeypatch.setitem(sys.modules, "flows.nightly", None)     # a run that got past preflight fails loudly
+    (tmp_path / "train.jsonl").write_text(_tasks(("t1", None), ("t2", None)))
+    res = CliRunner().invoke(app, ["run", "--tasks", str(tmp_path / "train.jsonl"), "--store", str(tmp_path / "s")])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith(f"error: envs.sources: task source {str(tmp_path / 'train.jsonl')!r} has no held-out")
