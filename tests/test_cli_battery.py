@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.store import open_store
 from tests.data.waves import clean_wave
+from tests.model.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -281,11 +282,7 @@ def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
 
 def test_model_option_sets_model_path(files, no_flow, tmp_path):
     """`run --model DIR` is model.path; the rest of --config's model section stays."""
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    (hf / "model.safetensors").write_bytes(b"")
-    (hf / "tokenizer.json").write_text("{}")
+    hf = tiny_llama(tmp_path / "hf")      # preflight loads its config and tokenizer: the file names are not enough
     cfg = Path(files["dir"]) / "model.json"
     cfg.write_text(json.dumps({"model": {"path": files["missing"], "chat_template": "off"}}))
     res = CliRunner().invoke(app, ["run", "--model", str(hf), "--config", str(cfg), "--store", files["store"]])
