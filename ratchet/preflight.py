@@ -13,13 +13,16 @@ show up minutes (or waves) later, found in a second and reported all at once.
   a few seconds (no retries), the bucket exists or can be created (a missing bucket is
   created here: open_store would do it a moment later, and trying is the only way to know);
 - run_id: letters, digits, '._-', no '..', at most 128 characters;
-- model.path: a Hugging Face causal LM directory: config.json (JSON, a model_type, a *ForCausalLM
-  architecture when it names one), weights, tokenizer files, a chat template if chat_template is
-  "on", and a context (max_position_embeddings) that holds model.max_seq_len and the completions;
+- model.path: a Hugging Face causal LM directory: config.json (JSON, a model_type transformers
+  knows, a *ForCausalLM architecture when it names one); weights (a shard index's shards present,
+  each safetensors header readable; no tensor loaded); a tokenizer that loads, no larger than the
+  model's vocab_size; an EOS token (tokenizer, generation config or config, as the loader resolves
+  it); a chat template (if chat_template is "on") that renders a user turn (unless "off"); and a
+  context (max_position_embeddings) that holds model.max_seq_len and the completions;
 - model.device "cuda": a GPU is visible;
 - envs: every family is registered; version is one store key component; every task source
-  (`envs.sources`) can be read and has at least one good task line (an s3:// source must lie in
-  the store; it is read when the run imports it);
+  (`envs.sources`) can be read and has at least one good task line, and tasks of both splits (an
+  s3:// source must lie in the store; it is read when the run imports it);
 - the embedded model: hidden_size splits into num_heads heads of even size (rotary);
   rollout.max_new_tokens leaves room for a prompt in model.max_seq_len;
 - train.backend deepspeed: deepspeed is installed.
@@ -32,6 +35,8 @@ import importlib.util
 import json
 import os
 import re
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from ratchet.config import RUN_ID_PATTERN, NightlyConfig
@@ -180,12 +185,23 @@ def _model(cfg: NightlyConfig) -> list[str]:
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+PROBE = "def f(x):\n"   # a prompt rendered through the chat template, as the run renders every task's
 
 
 def check_model_dir(path: str, cfg: NightlyConfig | None = None) -> list[str]:
     """Problems of `path` as a Hugging Face causal LM directory (model.path, `ratchet run --model`).
-    A directory that is not one at all is one problem; read from the files, no weights loaded."""
+    A directory that is not one at all is one problem. The config, generation config and tokenizer
+    load as `load_policy` loads them and go through its own functions (pad and EOS, chat template on
+    one prompt); the weights are checked by their headers and shard list, never loaded."""
+    with _quiet():
+        return _model_dir(path, cfg)
+
+
+def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from ratchet.model import context_length, encode_prompts, eos_ids, model_header, pad_left, use_chat_template
+
     where, p = f"model.path {path!r}", Path(path).expanduser()
     if not p.exists():
         return [f"{where}: no such directory"]
@@ -199,35 +215,104 @@ def check_model_dir(path: str, cfg: NightlyConfig | None = None) -> list[str]:
         return [f"{where}: config.json is not readable JSON ({e})"]
     if not isinstance(config, dict) or not config.get("model_type"):
         return [f"{where}: config.json names no model_type, so not a Hugging Face model directory"]
-    problems = []
+    problems, head, tok = [], None, None
     archs = config.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         problems.append(f"{where}: config.json's architectures {archs} name no causal LM (…ForCausalLM)")
-    if not any((p / name).is_file() for name in WEIGHTS):
-        problems.append(f"{where}: no weights ({' or '.join(WEIGHTS[::2])})")
+    try:
+        head = model_header(p)
+    except Exception as e:  # noqa: BLE001 - transformers raises ValueError, KeyError, TypeError... for a config it cannot build
+        problems.append(f"{where}: transformers cannot load config.json ({_why(e)})")
+    problems += _weights(p, where)
     if not any((p / name).is_file() for name in TOKENIZER):
         problems.append(f"{where}: no tokenizer files ({', '.join(TOKENIZER)})")
-    if cfg is None:
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(p)
+        except Exception as e:  # noqa: BLE001 - as many kinds as tokenizer formats
+            problems.append(f"{where}: the tokenizer does not load ({_why(e)})")
+    if head is not None and tok is not None:
+        try:
+            eos_ids(head, pad_left(tok, head))
+        except ValueError:
+            problems.append(f"{where}: no end-of-sequence token: neither the tokenizer nor generation_config.json "
+                            "nor config.json names one (a completion could never end, nor a batch be padded)")
+        vocab = getattr(head.config, "vocab_size", None)
+        if isinstance(vocab, int) and len(tok) > vocab:   # fewer is common (padded embeddings); more breaks forward
+            problems.append(f"{where}: the tokenizer has {len(tok)} tokens, more than the model's {vocab} embedding "
+                            "rows (config.json vocab_size): is it this model's tokenizer?")
+    if tok is not None:
+        try:
+            chat = use_chat_template(cfg.model.chat_template if cfg is not None else "auto", tok)
+        except ValueError:   # "on" without a template
+            chat = False
+            problems.append(f"model.chat_template 'on': the tokenizer in {path!r} has no chat template")
+        if chat:
+            try:
+                encode_prompts(tok, [PROBE], chat=True)
+            except Exception as e:  # noqa: BLE001 - jinja2's errors, and whatever the template raises itself
+                problems.append(f"{where}: the chat template does not render a user turn ({_why(e)}; "
+                                "fix it, or set model.chat_template 'off')")
+    context = context_length(head) if head is not None else None
+    if cfg is None or context is None:
         return problems
-    if cfg.model.chat_template == "on" and not _has_chat_template(p):
-        problems.append(f"model.chat_template 'on': the tokenizer in {path!r} has no chat template")
-    context = next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
-    if context is not None and cfg.rollout.max_new_tokens >= context:
+    if cfg.rollout.max_new_tokens >= context:
         problems.append(f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
                         f"model's context of {context} tokens ({path}/config.json)")
-    elif context is not None and cfg.model.max_seq_len > context:
+    elif cfg.model.max_seq_len > context:
         problems.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's context of {context} tokens "
                         f"({path}/config.json)")
     return problems
 
 
-def _has_chat_template(p: Path) -> bool:
-    if (p / "chat_template.jinja").is_file() or (p / "chat_template.json").is_file():
-        return True
+def _weights(p: Path, where: str) -> list[str]:
+    """The weights from_pretrained would read (the first of WEIGHTS present, its order): every shard
+    a shard index names exists, and each safetensors file's header reads (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    name = next((n for n in WEIGHTS if (p / n).is_file()), None)
+    if name is None:
+        return [f"{where}: no weights ({' or '.join(WEIGHTS[::2])})"]
+    files = [name]
+    if name.endswith(".index.json"):
+        try:
+            files = sorted(set(json.loads((p / name).read_text())["weight_map"].values()))
+            if not files or not all(isinstance(f, str) for f in files):
+                raise TypeError
+        except (ValueError, OSError, KeyError, TypeError, AttributeError):
+            return [f"{where}: {name} is not a shard index (JSON whose weight_map names the shard files)"]
+        missing = [f for f in files if not (p / f).is_file()]
+        if missing:
+            return [f"{where}: {name} names {len(missing)} shard(s) not in the directory: {', '.join(missing[:3])}"]
+    for f in files:
+        if f.endswith(".safetensors"):
+            try:
+                with safe_open(str(p / f), framework="pt"):
+                    pass
+            except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
+                return [f"{where}: {f} is not a readable safetensors file ({_why(e)})"]
+    return []
+
+
+def _why(e: Exception) -> str:
+    """The error's first sentence on one line: transformers' messages go on with pages of advice."""
+    return f"{type(e).__name__}: {' '.join(str(e).split()).split('. ', 1)[0][:200]}"
+
+
+@contextmanager
+def _quiet():
+    """transformers' log lines and warnings off while it reads a directory: each problem is one
+    error line of ours, and stderr holds nothing else."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
-        return bool(json.loads((p / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (ValueError, OSError):
-        return False
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _envs(cfg: NightlyConfig) -> list[str]:
@@ -251,8 +336,9 @@ def _envs(cfg: NightlyConfig) -> list[str]:
 
 
 def _sources(cfg: NightlyConfig) -> list[str]:
-    """Each task source can be read and imports at least one good task (bad lines are the run's
-    to quarantine; a file with no good line is a problem now)."""
+    """Each task source can be read, imports at least one good task (bad lines are the run's to
+    quarantine; a file with no good line is a problem now) and has tasks of both splits: the run
+    gates each source's audited train and held-out tables as non-empty, after auditing them all."""
     from envs.sources import SourceError, parse_source, read_source
 
     problems = []
@@ -263,7 +349,13 @@ def _sources(cfg: NightlyConfig) -> list[str]:
                     problems.append(f"envs.sources: task source {source!r}: an s3:// source must lie in the run's "
                                     f"store ({cfg.store.uri})")
                 continue
-            parse_source(source, read_source(source))
+            res, _ = parse_source(source, read_source(source))   # each spec's split as the import sets it
+            splits = {spec.split for spec in res.specs}
+            for split, what, other in (("heldout", "held-out", "train"), ("train", "training", "heldout")):
+                if split not in splits:
+                    problems.append(f"envs.sources: task source {source!r} has no {what} tasks (every task's split "
+                                    f"is {other}: a line's own \"split\", else 1 task id in 10 held out by a hash; "
+                                    f"give some lines \"split\": \"{split}\")")
         except SourceError as e:
             problems.append(f"envs.sources: {e}")
     return problems

@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 from ratchet.cli import app
 from ratchet.store import open_store
 from tests.data.waves import clean_wave
+from tests.model.tiny import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
@@ -79,8 +80,10 @@ def files(tmp_path) -> dict[str, str]:
     pl.DataFrame({"x": [1, 2]}).write_parquet(d / "unrelated.parquet")
     pl.DataFrame({"reward": [1.0]}).write_parquet(d / "reward_only.parquet")
     (d / "all_bad.jsonl").write_text(texts["tasks_all_bad"])
-    (d / "good.jsonl").write_text(texts["tasks"])
-    out.update(all_bad_jsonl=str(d / "all_bad.jsonl"), good_jsonl=str(d / "good.jsonl"))
+    (d / "good.jsonl").write_text(_jsonl(TASK, {**TASK, "task_id": "t2", "split": "heldout"}))   # both splits
+    (d / "train_only.jsonl").write_text(texts["tasks"])      # t1: the task-id hash puts it in train
+    out.update(all_bad_jsonl=str(d / "all_bad.jsonl"), good_jsonl=str(d / "good.jsonl"),
+               train_only_jsonl=str(d / "train_only.jsonl"))
     out.update(binary=str(d / "binary"), latin1=str(d / "latin1"), dir=str(d), missing=str(d / "missing"),
                unrelated=str(d / "unrelated.parquet"), reward_only=str(d / "reward_only.parquet"))
     store = open_store(str(tmp_path / "store"))
@@ -160,6 +163,7 @@ CASES = [
     ("run-tasks-missing", "run --tasks {missing}.jsonl", 2, "no such file"),
     ("run-tasks-not-jsonl", "run --tasks {tasks}", 2, "expected a .jsonl.gz, .jsonl, .parquet file"),
     ("run-tasks-no-good-line", "run --tasks {all_bad_jsonl}", 2, "no good task line (2 bad; first: "),
+    ("run-tasks-no-held-out", "run --tasks {train_only_jsonl}", 2, "has no held-out tasks (every task's split is train"),
     ("run-tasks-a-directory", "run --tasks {dir}/", 2, "expected a .jsonl.gz"),
     ("run-tasks-same-name", "run --tasks {good_jsonl} --tasks {dir}/../good.jsonl", 2, "would both be named"),
     ("run-model-option-missing", "run --model {missing}", 2, "model.path"),
@@ -269,7 +273,7 @@ def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
     """`--tasks` (repeatable) adds to the config's envs.sources, relative paths made absolute."""
     cfg = Path(files["dir"]) / "with_source.json"
     cfg.write_text(json.dumps({"envs": {"sources": [files["good_jsonl"]]}}))
-    (Path(files["dir"]) / "second.jsonl").write_text(_jsonl(TASK))
+    (Path(files["dir"]) / "second.jsonl").write_text(Path(files["good_jsonl"]).read_text())
     monkeypatch.chdir(files["dir"])
     res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--tasks", "second.jsonl", "--store", files["store"]])
     assert res.exit_code == 0, res.output
@@ -278,11 +282,7 @@ def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
 
 def test_model_option_sets_model_path(files, no_flow, tmp_path):
     """`run --model DIR` is model.path; the rest of --config's model section stays."""
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
-    (hf / "model.safetensors").write_bytes(b"")
-    (hf / "tokenizer.json").write_text("{}")
+    hf = tiny_llama(tmp_path / "hf")      # preflight loads its config and tokenizer: the file names are not enough
     cfg = Path(files["dir"]) / "model.json"
     cfg.write_text(json.dumps({"model": {"path": files["missing"], "chat_template": "off"}}))
     res = CliRunner().invoke(app, ["run", "--model", str(hf), "--config", str(cfg), "--store", files["store"]])

@@ -6,12 +6,16 @@
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig, StoreConfig
 from ratchet.preflight import SettingsError, check, check_run_id, check_store, require
+from tests.model.tiny import tiny_llama
 
 
 def test_defaults_pass(tmp_path):
@@ -56,7 +60,20 @@ def test_local_store_that_is_a_file_or_under_one(tmp_path):
     assert check_store(f"file://{tmp_path}/ok") == []
 
 
-def test_model_path(tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _copy(tiny: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(tiny, tmp_path / "model"))
+
+
+def _edit_json(path: Path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_model_path(tmp_path, tiny):
     assert "no such directory" in check(NightlyConfig(model=ModelConfig(path=str(tmp_path / "nope"))))[0]
     assert "no config.json" in check(NightlyConfig(model=ModelConfig(path=str(tmp_path))))[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -64,28 +81,101 @@ def test_model_path(tmp_path):
     assert [p.split(": ")[1][:12] for p in check(cfg)] == ["no weights (", "no tokenizer"]
     (tmp_path / "model.safetensors").write_bytes(b"")
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert check(cfg) == []
+    assert [p.split(": ")[1][:29] for p in check(cfg)] == [      # the right names are not enough
+        "model.safetensors is not a re", "the tokenizer does not load ("]
+    assert check(cfg.model_copy(update={"model": ModelConfig(path=str(tiny))})) == []
 
 
-def test_model_dir_that_cannot_be_post_trained(tmp_path):
+def test_model_dir_that_cannot_be_post_trained(tmp_path, tiny):
     """Each problem of an HF directory is named before the run starts; a non-model dir is one problem."""
-    def problems(config, **model):
-        (tmp_path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
-        return check(NightlyConfig(model=ModelConfig(path=str(tmp_path), **model), store=StoreConfig(uri=str(tmp_path / "s"))))
+    path = _copy(tiny, tmp_path)
 
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    def problems(config, **model):
+        (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+        return check(NightlyConfig(model=ModelConfig(path=str(path), **model), store=StoreConfig(uri=str(tmp_path / "s"))))
+
     assert "not readable JSON" in problems('{"model_type": ')[0]
     assert problems({"architectures": ["LlamaForCausalLM"]}) == [
-        f"model.path {str(tmp_path)!r}: config.json names no model_type, so not a Hugging Face model directory"]
+        f"model.path {str(path)!r}: config.json names no model_type, so not a Hugging Face model directory"]
     assert "name no causal LM" in problems({"model_type": "bert", "architectures": ["BertForMaskedLM"]})[0]
-    assert "has no chat template" in problems({"model_type": "llama"}, chat_template="on")[0]
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert problems({"model_type": "llama"}, chat_template="on") == [
+        f"model.chat_template 'on': the tokenizer in {str(path)!r} has no chat template"]
+    _edit_json(path / "tokenizer_config.json", chat_template="{{ messages[0]['content'] }}")
     assert problems({"model_type": "llama"}, chat_template="on") == []
-    assert "exceeds the model's context of 128 tokens" in problems(
-        {"model_type": "llama", "max_position_embeddings": 128}, max_seq_len=256)[0]
+    assert problems({"model_type": "llama", "max_position_embeddings": 128}, max_seq_len=256) == [
+        f"model.max_seq_len 256 exceeds the model's context of 128 tokens ({path}/config.json)"]
     assert "leaves no room for a prompt in the model's context of 32" in problems(
         {"model_type": "gpt2", "n_positions": 32}, max_seq_len=32)[0]
+
+
+def _no_eos(path: Path) -> None:
+    shutil.rmtree(path)
+    tiny_llama(path, eos=False)
+
+
+def _too_many_tokens(path: Path) -> None:
+    shutil.rmtree(path)
+    tiny_llama(path, extra_tokens=500)
+
+
+def _shard_index(path: Path) -> None:
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    shards = {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+              "lm_head.weight": "model-00002-of-00002.safetensors"}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shards}))
+
+
+def _truncate(path: Path) -> None:
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+# (case, how the good directory is broken, what the one line says after "model.path '<dir>': ")
+BROKEN = [
+    ("no-eos", _no_eos, "no end-of-sequence token: neither the tokenizer nor generation_config.json nor config.json"),
+    ("corrupt-weights", lambda p: (p / "model.safetensors").write_bytes(b"garbage"),
+     "model.safetensors is not a readable safetensors file (SafetensorError: Error while deserializing header"),
+    ("truncated-weights", _truncate, "model.safetensors is not a readable safetensors file (SafetensorError: "),
+    ("missing-shard", _shard_index, "model.safetensors.index.json names 1 shard(s) not in the directory: "
+                                    "model-00002-of-00002.safetensors"),
+    ("unknown-model-type", lambda p: _edit_json(p / "config.json", model_type="nosuchmodel"),
+     "transformers cannot load config.json (ValueError: The checkpoint you are trying to load has model type "
+     "`nosuchmodel` but Transformers does not recognize this architecture)"),
+    ("tokenizer-config-only", lambda p: (p / "tokenizer.json").unlink(),
+     "the tokenizer does not load (ValueError: Couldn't instantiate the backend tokenizer"),
+    ("chat-template-syntax", lambda p: _edit_json(p / "tokenizer_config.json", chat_template="{% for m in messages %}"),
+     "the chat template does not render a user turn (TemplateSyntaxError: Unexpected end of template"),
+    ("chat-template-raises", lambda p: _edit_json(p / "tokenizer_config.json",
+                                                  chat_template="{{ raise_exception('system turns only') }}"),
+     "the chat template does not render a user turn (TemplateError: system turns only; fix it, or set "
+     "model.chat_template 'off')"),
+    ("vocab-past-embeddings", _too_many_tokens,
+     "the tokenizer has 759 tokens, more than the model's 292 embedding rows (config.json vocab_size)"),
+]
+
+
+@pytest.mark.parametrize("breaks, says", [c[1:] for c in BROKEN], ids=[c[0] for c in BROKEN])
+def test_a_model_dir_that_would_fail_mid_run_stops_run_with_one_line(tmp_path, tiny, monkeypatch, breaks, says):
+    """Each passed the file-name checks and then failed the run with a traceback (loading, rendering
+    the first prompt, or the first forward pass); now `ratchet run` exits 2 with one line for it."""
+    from typer.testing import CliRunner
+
+    from ratchet.cli import app
+
+    path = _copy(tiny, tmp_path)
+    breaks(path)
+    monkeypatch.setitem(sys.modules, "flows.nightly", None)     # a run that got past preflight fails loudly
+    res = CliRunner().invoke(app, ["run", "--model", str(path), "--store", str(tmp_path / "s")])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith(f"error: model.path {str(path)!r}: {says}"), res.stderr
+
+
+def test_a_chat_template_that_does_not_render_is_no_problem_when_off(tmp_path, tiny):
+    path = _copy(tiny, tmp_path)
+    _edit_json(path / "tokenizer_config.json", chat_template="{% for m in messages %}")
+    store = StoreConfig(uri=str(tmp_path / "s"))
+    assert check(NightlyConfig(model=ModelConfig(path=str(path), chat_template="off"), store=store)) == []
+    assert len(check(NightlyConfig(model=ModelConfig(path=str(path)), store=store))) == 1
 
 
 def test_require_lists_every_problem(tmp_path):
@@ -118,10 +208,17 @@ def test_s3_without_endpoint_or_credentials(monkeypatch):
     assert len(problems) == 2 and "RATCHET_S3_ENDPOINT" in problems[0] and "AWS_ACCESS_KEY_ID" in problems[1]
 
 
+TASK = {"task_id": "t1", "prompt": "p", "execution_steps": [{"action": "check_calls", "entry_point": "f"}],
+        "tests": [{"args": "[1]", "expected": "2"}]}
+
+
+def _tasks(*ids_splits) -> str:
+    return "".join(json.dumps({**TASK, "task_id": i, **({"split": s} if s else {})}) + "\n" for i, s in ids_splits)
+
+
 def test_task_sources(tmp_path):
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
-    good.write_text(json.dumps({"task_id": "t1", "prompt": "p", "execution_steps": [
-        {"action": "check_calls", "entry_point": "f"}], "tests": [{"args": "[1]", "expected": "2"}]}) + "\nnot json\n")
+    good.write_text(_tasks(("t1", None), ("t2", "heldout")) + "not json\n")
     bad.write_text("not json\n")
     store = StoreConfig(uri=str(tmp_path / "store"))
     assert check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(good),)))) == []   # a bad line: the run's to quarantine
@@ -130,3 +227,34 @@ def test_task_sources(tmp_path):
     assert [p.split(": ", 1)[0] for p in problems] == ["envs.sources"] * 3
     assert "no good task line (1 bad; first: " in problems[0] and f"{bad}:1: field '(json)'" in problems[0]
     assert "no such file" in problems[1] and "must lie in the run's store" in problems[2]
+
+
+def test_a_task_source_needs_both_splits(tmp_path):
+    """The run gates each source's audited train and held-out tables as non-empty: a file whose
+    tasks all fall in one split (declared, or by the task-id hash of envs.importers.default_split:
+    't3' is held out, 't1' and 't2' are not) is named now, not after auditing every task."""
+    store = StoreConfig(uri=str(tmp_path / "store"))
+
+    def problems(text: str) -> list[str]:
+        (tmp_path / "t.jsonl").write_text(text)
+        return check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(tmp_path / "t.jsonl"),))))
+
+    assert problems(_tasks(("t1", None), ("t3", None))) == []                      # the hash holds t3 out
+    assert problems(_tasks(("t1", "heldout"), ("t2", None))) == []                 # a declared split wins
+    (train_only,) = problems(_tasks(("t1", None), ("t2", None), ("t3", "train")))
+    assert train_only.startswith(f"envs.sources: task source {str(tmp_path / 't.jsonl')!r} has no held-out tasks "
+                                 "(every task's split is train"), train_only
+    (held_only,) = problems(_tasks(("t1", "heldout"), ("t3", None)))
+    assert "has no training tasks (every task's split is heldout" in held_only
+
+
+def test_a_task_file_with_no_held_out_tasks_stops_run_with_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ratchet.cli import app
+
+    monkeypatch.setitem(sys.modules, "flows.nightly", None)     # a run that got past preflight fails loudly
+    (tmp_path / "train.jsonl").write_text(_tasks(("t1", None), ("t2", None)))
+    res = CliRunner().invoke(app, ["run", "--tasks", str(tmp_path / "train.jsonl"), "--store", str(tmp_path / "s")])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith(f"error: envs.sources: task source {str(tmp_path / 'train.jsonl')!r} has no held-out")

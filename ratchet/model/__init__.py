@@ -10,6 +10,7 @@ Any other local Hugging Face causal LM loads through the Auto classes:
     model, tokenizer = load_policy(path, cfg.model)     # on cfg.model.device, in cfg.model.dtype
     eos_ids(model, tokenizer)                           # every id that ends a sequence (generation_config)
     context_length(model)                               # max_position_embeddings (or the like), None if unknown
+    model_header(path)                                  # config + generation config, no weights: for the above
     encode_prompts(tokenizer, prompts, chat=True)       # token ids, through the chat template as a user turn
     save_policy(model, tokenizer, path)                 # safetensors + config + generation config + tokenizer
 
@@ -24,11 +25,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from ratchet.config import ModelConfig
 
@@ -119,16 +122,37 @@ def load_policy(path: str | Path, cfg: ModelConfig | None = None):
     cfg = cfg or ModelConfig(device="cpu")
     device = resolve_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
-    if tokenizer.pad_token is None:   # padding is always masked out: any real token will do; EOS by convention
-        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids(model, tokenizer)[0]
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+    pad_left(tokenizer, model)
     if device.type == "cpu":
         _own_memory(model)
     else:
         model.to(device)   # fresh device memory: no file views left
     return model, tokenizer
+
+
+def pad_left(tokenizer, model):
+    """The tokenizer pads on the left, with EOS as its pad token when it has none (ValueError
+    when nothing names an EOS: see eos_ids)."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:   # padding is always masked out: any real token will do; EOS by convention
+        pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_ids(model, tokenizer)[0]
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(pad)
+    return tokenizer
+
+
+def model_header(path: str | Path) -> SimpleNamespace:
+    """What `load_policy` reads of a directory besides its weights, as a stand-in model for
+    `eos_ids`, `pad_left` and `context_length`: its config (AutoConfig's errors raised) and the
+    generation config `from_pretrained` gives it: generation_config.json, or, when there is none
+    or it does not load (from_pretrained's OSError), one from config.json (None here: eos_ids
+    then reads the config itself, the same ids)."""
+    config = AutoConfig.from_pretrained(path)
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation = None
+    return SimpleNamespace(config=config, generation_config=generation)
 
 
 def eos_ids(model, tokenizer) -> list[int]:
