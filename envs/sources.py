@@ -70,12 +70,13 @@ def source_suffix(source: str) -> str | None:
 
 
 def source_name(source: str) -> str:
-    """`imported-<stem>`: one store key component (letters, digits, '._-'); a '-' in it keeps it
-    apart from every registered family (a family is a Python module name)."""
+    """`imported-<stem>`: one store key component (letters, digits, '._-', no '..': `envs.spec.key_part`,
+    as the family of its tasks must be); a '-' in it keeps it apart from every registered family
+    (a family is a Python module name)."""
     base = source.rstrip("/").rsplit("/", 1)[-1]
     suffix = source_suffix(base)
     stem = base[: -len(suffix)] if suffix else base
-    return PREFIX + (re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip(".-") or "tasks")
+    return PREFIX + (re.sub(r"\.\.+", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", stem)).strip(".-") or "tasks")
 
 
 def check_sources(sources: Sequence[str]) -> list[str]:

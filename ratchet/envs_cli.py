@@ -59,6 +59,7 @@ def import_command(
     from envs.importers import FORMATS, parse_lines, write_quarantine
     from envs.production import Production
     from envs.snapshot import save_production
+    from envs.spec import key_part
     from ratchet.preflight import check_store
     from ratchet.store import open_store
 
@@ -71,7 +72,7 @@ def import_command(
     if split not in (None, "train", "heldout"):
         fail(f"unknown split {split!r}; use train or heldout", "--split")
     for name, value in (("--family", family), ("--version", version)):
-        if value is not None and not _key_part(value):
+        if value is not None and not key_part(value):     # a line's own family: the schema's same rule
             fail(f"{value!r} cannot name a store folder: letters, digits and '._-' only", name)
     result = parse_lines(read_text(file, "task file").split("\n"), format, str(file), family, split)
     for bad in result.bad:
@@ -105,13 +106,6 @@ def import_command(
         typer.echo(json.dumps(summary))
     if result.bad:
         raise typer.Exit(2)
-
-
-def _key_part(name: str) -> bool:
-    """`name` is usable as one component of a store key (envs/<family>/<version>/...)."""
-    import re
-
-    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name
 
 
 def _audit(st, prod, max_mutants: int) -> dict:
