@@ -163,13 +163,18 @@ def parse_source(source: str, data: bytes) -> tuple[ImportResult, int]:
     if not res.specs:
         first = res.bad[0].messages()[0] if res.bad else "the file has no task lines"
         raise SourceError(f"task source {source!r}: no good task line ({len(res.bad)} bad; first: {first})")
-    specs, kept = [], []
+    specs, kept, first_seen = [], [], {}
     for spec, n in zip(res.specs, res.lines):
         task_id = spec.task_id if spec.task_id.startswith(f"{name}/") else f"{name}/{spec.task_id}"
         if len(task_id) > MAX_ID:        # model_copy does not validate: the schema's bound, checked here
             res.bad.append(BadLine(n, (("task_id", f"longer than {MAX_ID - len(name) - 1} characters, the most "
                                         f"that fits after the source's name {name!r}/"),), lines[n - 1], source))
             continue
+        if task_id in first_seen:        # 'x' and '<name>/x' are distinct lines but one task once prefixed
+            res.bad.append(BadLine(n, (("task_id", f"duplicate task_id {task_id!r} once prefixed with the source's "
+                                        f"name (first on line {first_seen[task_id]})"),), lines[n - 1], source))
+            continue
+        first_seen[task_id] = n
         specs.append(spec.model_copy(update={"task_id": task_id, "metadata": {**spec.metadata, "source": name}}))
         kept.append(n)
     if not specs:
