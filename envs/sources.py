@@ -121,15 +121,10 @@ def source_lines(source: str, data: bytes) -> list[str]:
     """One JSON object per task: the file's lines, or a Parquet table's rows (null fields left out)."""
     suffix = source_suffix(source)
     if suffix == ".parquet":
-        import polars as pl
-
         try:
-            table = pl.read_parquet(io.BytesIO(data))
-        except Exception as e:  # noqa: BLE001 - polars raises several kinds for a bad file
-            raise SourceError(f"task source {source!r}: not a readable Parquet file ({type(e).__name__})") from None
-        if "spec_json" in table.columns:         # ratchet's own task table
-            return [str(j) for j in table["spec_json"]]
-        return [json.dumps(_no_nulls(row), default=str) for row in table.iter_rows(named=True)]
+            return parquet_lines(data)
+        except ValueError as e:
+            raise SourceError(f"task source {source!r}: {e}") from None
     if suffix == ".jsonl.gz":
         try:
             data = gzip.decompress(data)
@@ -142,6 +137,20 @@ def source_lines(source: str, data: bytes) -> list[str]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise SourceError(f"task source {source!r}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})") from None
+
+
+def parquet_lines(data: bytes) -> list[str]:
+    """A Parquet task table's rows as JSON objects: one task object per row, or ratchet's own
+    table's `spec_json` (ValueError: not a readable Parquet file)."""
+    import polars as pl
+
+    try:
+        table = pl.read_parquet(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - polars raises several kinds for a bad file
+        raise ValueError(f"not a readable Parquet file ({type(e).__name__})") from None
+    if "spec_json" in table.columns:         # ratchet's own task table
+        return [str(j) for j in table["spec_json"]]
+    return [json.dumps(_no_nulls(row), default=str) for row in table.iter_rows(named=True)]
 
 
 def _no_nulls(value):

@@ -194,6 +194,28 @@ def test_one_error_per_problem_and_no_coercion():
     assert ok.difficulty == 3 and ok.reward_logic.rules[0].weight == 1.0     # a JSON integer is a number
 
 
+def test_cli_quarantines_a_bad_family_and_imports_parquet(tmp_path):
+    """A line's family never reaches the store's paths; a Parquet task table imports as `run --tasks` reads it."""
+    import polars as pl
+
+    tasks, store = tmp_path / "f.jsonl", tmp_path / "store"
+    tasks.write_text("\n".join(lines(GOOD | {"family": "../../escape"}, GOOD | {"task_id": "t2", "family": "has space/x"},
+                                      GOOD | {"task_id": "t3"})) + "\n")
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "f.jsonl:1: field 'family': '../../escape' cannot name a store folder" in res.stderr
+    assert len((tmp_path / "f.quarantine.jsonl").read_text().splitlines()) == 2
+    assert sorted(p.name for p in (store / "envs").iterdir()) == ["imported"] and not (tmp_path / "escape").exists()
+    pl.DataFrame([GOOD, GOOD | {"task_id": "t2", "difficulty": 2}, GOOD | {"task_id": "t3", "difficulty": 9}]) \
+        .write_parquet(tmp_path / "p.parquet")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "p.parquet"), "--store", str(store)])
+    assert res.exit_code == 2 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 2, res.output
+    assert "p.parquet:3: field 'difficulty'" in res.stderr and (tmp_path / "p.quarantine.jsonl").exists()
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 nope")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "bad.parquet"), "--store", str(store)])
+    assert res.exit_code == 2 and res.stderr.startswith("error: task file is not a readable Parquet file"), res.output
+
+
 def test_humaneval_fields_and_quarantine_file(tmp_path):
     he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
           "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}
@@ -215,7 +237,7 @@ def test_cli_import_and_verify(tmp_path):
     summary = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][0])
     assert summary["tasks"] == 1 and summary["bad_lines"] == 2 and summary["audit"]["weak_tests"] + summary["audit"]["pass"] == 1
     assert "t.jsonl:2: field '(json)'" in res.stderr and "t.jsonl:3: field 'task_id': duplicate" in res.stderr
-    assert len((tmp_path / "t.jsonl.quarantine.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "t.quarantine.jsonl").read_text().splitlines()) == 2     # README's mytasks.quarantine.jsonl
     comps = tmp_path / "c.jsonl"
     comps.write_text("\n".join(lines({"task_id": "t1", "completion": "    return x + 1\n"},
                                      {"task_id": "t1", "completion": "    return x\n"},
