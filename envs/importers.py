@@ -15,8 +15,9 @@ has a default:
 - split: the line's, else the caller's, else `default_split(task_id)` (1 in 10 held out,
   by a hash of the task_id: stable across runs and file orders).
 
-A bad line (malformed JSON, not an object, missing or mistyped fields, a duplicate
-task_id) gets every error at once, each naming the file, the line and the field path;
+A bad line (malformed JSON, not an object, missing or mistyped fields, a task the verifier
+cannot run or a family that cannot name a store folder (`envs.spec`), a duplicate task_id) gets
+every error at once, each naming the file, the line and the field path;
 `BadLine.message()` has one line per error (`tasks.jsonl:3: field 'reward_logic.rules.0.weight':
 Input should be a valid number`), so a person fixes the line in one pass and grep finds each.
 A bad line never stops the good lines. HumanEval problems (task_id, prompt,
@@ -41,7 +42,7 @@ from typing import Iterable
 
 from pydantic import ValidationError
 
-from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RunCommand, TaskSpec
+from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RunCommand, SpecError, TaskSpec
 
 FORMATS = ("taskspec", "humaneval")
 HELDOUT_PERCENT = 10     # default_split: share of tasks held out when a line names no split
@@ -99,10 +100,16 @@ def _path(loc: tuple, obj: object) -> str:
 
 
 def _pydantic_errors(e: ValidationError, obj: object) -> list[tuple[str, str]]:
-    out = []
-    for err in e.errors():
+    errs, out = e.errors(), []
+    for err in errs:
+        loc, cause = err["loc"], err.get("ctx", {}).get("error")
+        if err["type"] == "too_short" and any(o["loc"][:len(loc)] == loc and len(o["loc"]) > len(loc) for o in errs):
+            continue        # pydantic counts only the items that validated: the bad item is the one problem
+        if isinstance(cause, SpecError):     # a spec rule: each error at its own path, its why says the value
+            out += [(_path((*loc, *sub), obj), why) for sub, why in cause.errors]
+            continue
         got = "" if err["type"] == "missing" else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
-        out.append((_path(err["loc"], obj), f"{err['msg']}{got}"))
+        out.append((_path(loc, obj), f"{err['msg']}{got}"))
     return out
 
 

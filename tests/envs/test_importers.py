@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 from typer.testing import CliRunner
 
 from envs.humaneval import humaneval_path
@@ -131,6 +132,90 @@ def test_bad_lines_each_get_an_error_naming_line_and_field():
     assert res.specs[0].family == "imported"
 
 
+def test_a_task_the_verifier_cannot_run_is_a_bad_line_at_import():
+    """The verifier's rules (one judging step, metadata.float_tolerance, metadata.visible_tests) are the
+    schema's: each such line is quarantined with the field and why, not an env_error or an aborted audit."""
+    from ratchet.verify.guards import hidden_test_leaks, visible_tests
+    from ratchet.verify.verifier import float_tolerance
+
+    overwrite, judge = GOOD["execution_steps"]
+    res = parse_lines(lines(
+        GOOD | {"task_id": "none", "execution_steps": [overwrite]},
+        GOOD | {"task_id": "two", "execution_steps": [overwrite, {"action": "run_command", "command": "true"}, judge]},
+        GOOD | {"task_id": "tol", "metadata": {"float_tolerance": "x"}},
+        GOOD | {"task_id": "vis", "metadata": {"visible_tests": [{"args": 1}, 3]}},
+        GOOD | {"task_id": "vis2", "metadata": {"visible_tests": 5, "float_tolerance": 1}},
+        GOOD | {"task_id": "ok", "metadata": {"visible_tests": [{"args": "[0]", "expected": "1"}], "float_tolerance": 1e-6}},
+    ), source="t.jsonl")
+    assert [s.task_id for s in res.specs] == ["ok"]
+    assert [m for b in res.bad for m in b.messages()] == [
+        "t.jsonl:1: field 'execution_steps': expected exactly one check_calls or run_command step, found 0",
+        "t.jsonl:2: field 'execution_steps': expected exactly one check_calls or run_command step, found 2",
+        "t.jsonl:3: field 'metadata.float_tolerance': must be a number in [0, 1), got 'x'",
+        "t.jsonl:4: field 'metadata.visible_tests.0.args': Input should be a valid string (got 1)",
+        "t.jsonl:4: field 'metadata.visible_tests.0.expected': Field required",
+        "t.jsonl:4: field 'metadata.visible_tests.1': must be an {'args', 'expected'} object, got int",
+        "t.jsonl:5: field 'metadata.float_tolerance': must be a number in [0, 1), got 1",
+        "t.jsonl:5: field 'metadata.visible_tests': must be a list of {'args', 'expected'} objects, got int"]
+    (ok,) = res.specs        # what passes the schema, the verifier reads; a spec that skipped it still fails there
+    assert float_tolerance(ok) == 1e-6 and len(visible_tests(ok)) == 1 and hidden_test_leaks(ok) == []
+    bad = ok.model_copy(update={"metadata": {"float_tolerance": "x", "visible_tests": 5}})
+    with pytest.raises(ValueError, match="task ok: metadata.float_tolerance: must be a number"):
+        float_tolerance(bad)
+    with pytest.raises(ValueError, match="task ok: metadata.visible_tests: must be a list"):
+        visible_tests(bad)
+
+
+def test_a_lines_own_family_must_name_a_store_folder():
+    """The rule `--family` gets: a line's family is the snapshot's folder (envs/<family>/...)."""
+    res = parse_lines(lines(*(GOOD | {"task_id": f"t{i}", "family": f} for i, f in
+                              enumerate(["../../escape", "has space/x", "a..b", ".hidden", "mine.v2_x-1"]))), source="f.jsonl")
+    assert [s.family for s in res.specs] == ["mine.v2_x-1"]
+    assert [(b.line, b.errors) for b in res.bad] == [
+        (n, (("family", f"{f!r} cannot name a store folder: letters, digits and '._-' only"),))
+        for n, f in [(1, "../../escape"), (2, "has space/x"), (3, "a..b"), (4, ".hidden")]]
+
+
+def test_one_error_per_problem_and_no_coercion():
+    """A bad step or rule is one error (not also "Tuple should have at least 1 item"); `true` and "3"
+    are not numbers."""
+    res = parse_lines(lines(
+        GOOD | {"execution_steps": [GOOD["execution_steps"][0], {"action": "check_calls", "entry_point": ""}]},
+        GOOD | {"reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": "x"}]}},
+        GOOD | {"difficulty": True}, GOOD | {"difficulty": "3"}, GOOD | {"difficulty": 2.0},
+        GOOD | {"reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": True, "threshold": "5"}]}},
+        GOOD | {"execution_steps": []},
+        GOOD | {"difficulty": 3, "reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": 1}]}},
+    ))
+    assert [[f for f, _ in b.errors] for b in res.bad] == [
+        ["execution_steps.1.entry_point"], ["reward_logic.rules.0.weight"], ["difficulty"], ["difficulty"], ["difficulty"],
+        ["reward_logic.rules.0.weight", "reward_logic.rules.0.threshold"], ["execution_steps"]]
+    (ok,) = res.specs
+    assert ok.difficulty == 3 and ok.reward_logic.rules[0].weight == 1.0     # a JSON integer is a number
+
+
+def test_cli_quarantines_a_bad_family_and_imports_parquet(tmp_path):
+    """A line's family never reaches the store's paths; a Parquet task table imports as `run --tasks` reads it."""
+    import polars as pl
+
+    tasks, store = tmp_path / "f.jsonl", tmp_path / "store"
+    tasks.write_text("\n".join(lines(GOOD | {"family": "../../escape"}, GOOD | {"task_id": "t2", "family": "has space/x"},
+                                      GOOD | {"task_id": "t3"})) + "\n")
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "f.jsonl:1: field 'family': '../../escape' cannot name a store folder" in res.stderr
+    assert len((tmp_path / "f.quarantine.jsonl").read_text().splitlines()) == 2
+    assert sorted(p.name for p in (store / "envs").iterdir()) == ["imported"] and not (tmp_path / "escape").exists()
+    pl.DataFrame([GOOD, GOOD | {"task_id": "t2", "difficulty": 2}, GOOD | {"task_id": "t3", "difficulty": 9}]) \
+        .write_parquet(tmp_path / "p.parquet")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "p.parquet"), "--store", str(store)])
+    assert res.exit_code == 2 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 2, res.output
+    assert "p.parquet:3: field 'difficulty'" in res.stderr and (tmp_path / "p.quarantine.jsonl").exists()
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 nope")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "bad.parquet"), "--store", str(store)])
+    assert res.exit_code == 2 and res.stderr.startswith("error: task file is not a readable Parquet file"), res.output
+
+
 def test_humaneval_fields_and_quarantine_file(tmp_path):
     he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
           "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}
@@ -152,7 +237,7 @@ def test_cli_import_and_verify(tmp_path):
     summary = json.loads([ln for ln in res.stdout.splitlines() if ln.startswith("{")][0])
     assert summary["tasks"] == 1 and summary["bad_lines"] == 2 and summary["audit"]["weak_tests"] + summary["audit"]["pass"] == 1
     assert "t.jsonl:2: field '(json)'" in res.stderr and "t.jsonl:3: field 'task_id': duplicate" in res.stderr
-    assert len((tmp_path / "t.jsonl.quarantine.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "t.quarantine.jsonl").read_text().splitlines()) == 2     # README's mytasks.quarantine.jsonl
     comps = tmp_path / "c.jsonl"
     comps.write_text("\n".join(lines({"task_id": "t1", "completion": "    return x + 1\n"},
                                      {"task_id": "t1", "completion": "    return x\n"},

@@ -127,6 +127,21 @@ def test_bad_lines_are_quarantined_beside_the_snapshot(tmp_path):
     assert save_source(st, clean)["bad_lines"] is None
 
 
+def test_ids_that_collide_once_prefixed_and_bad_families_are_bad_lines():
+    """'x' and 'imported-dup/x' are one task once prefixed: the second is quarantined naming the first
+    (not left to fail the gate's task_id_unique); a line's own family must name a store folder."""
+    imp = import_source("dup.jsonl", jsonl(task("x", "add one to an integer", split="train"),
+                                           task("imported-dup/x", "the successor of a number", split="train"),
+                                           task("y", "sort a list in reverse", family="has space/x"),
+                                           task("z", "reverse a string", split="train")), EnvsConfig())
+    assert [s.task_id for s in imp.production.train] == ["imported-dup/x", "imported-dup/z"]
+    assert [m for b in imp.bad for m in b.messages()] == [
+        "dup.jsonl:2: field 'task_id': duplicate task_id 'imported-dup/x' once prefixed with the source's name "
+        "(first on line 1)",
+        "dup.jsonl:3: field 'family': 'has space/x' cannot name a store folder: letters, digits and '._-' only"]
+    assert source_name("a..b.jsonl") == "imported-a.b"       # the source's name is a family too
+
+
 def test_a_source_with_no_good_line_is_one_clear_error(tmp_path):
     with pytest.raises(SourceError, match=r"'t.jsonl': no good task line \(2 bad; first: t.jsonl:1: field '\(json\)'"):
         import_source("t.jsonl", b"nope\n[1]\n", EnvsConfig())
