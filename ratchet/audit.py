@@ -8,7 +8,8 @@ sandbox run, compared the same way and "passed" in the same sense as a training 
 held-out evaluation, under the same `VerifyConfig.sandbox_limits()`. Per task:
 
 - hidden tests can be read off the prompt, or repeat a visible example ("leaky_tests",
-  `ratchet.verify.guards.hidden_test_leaks`; checked before anything runs);
+  `ratchet.verify.guards.hidden_test_leaks`; checked before anything runs; tests or visible
+  examples that cannot be read, e.g. a malformed `metadata.visible_tests`: "broken");
 - the reference solution passes on every one of `reference_runs` runs (else "flaky"; never
   passes: "broken");
 - trivial answers fail: the family's list, e.g. empty, `pass`, return the input, return a
@@ -188,8 +189,12 @@ def _candidates(spec: TaskSpec, cfg: AuditConfig) -> Candidates:
 
 
 def _blocked(spec: TaskSpec) -> Verdict | None:
-    """The verdict of a task that must not run at all: leaking tests, or one the verifier cannot run."""
-    leaks = hidden_test_leaks(spec)
+    """The verdict of a task that must not run at all: leaking tests, tests that cannot be read, or one
+    the verifier cannot run."""
+    try:
+        leaks = hidden_test_leaks(spec)
+    except (ValueError, TypeError) as e:   # e.g. a malformed metadata.visible_tests: nothing to check against
+        return Verdict(spec.task_id, "broken", f"its tests cannot be read: {e}", None)
     if leaks:
         return Verdict(spec.task_id, "leaky_tests", "; ".join(leaks[:3]), None)
     try:

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import re
 
+from pydantic import ValidationError
+
 from envs.spec import CallTest, CheckCalls, TaskSpec
 
 SPECIAL_CASED = "special_cased_examples"
@@ -44,10 +46,15 @@ def special_cased(visible_pass_rate: float | None, hidden_pass_rate: float) -> b
 def visible_tests(spec: TaskSpec) -> tuple[CallTest, ...]:
     """The task's visible examples, `metadata["visible_tests"]`, as CallTests (ValueError names a bad entry)."""
     raw = spec.metadata.get("visible_tests") or []
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"task {spec.task_id}: metadata.visible_tests is not a list (got {type(raw).__name__})")
     out = []
     for i, item in enumerate(raw):
         try:
             out.append(item if isinstance(item, CallTest) else CallTest(**item))
+        except ValidationError as e:   # one line: "args: Input should be a valid string; expected: Field required"
+            why = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'item'}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"task {spec.task_id}: metadata.visible_tests[{i}] is not {{'args', 'expected'}} JSON: {why}") from e
         except (TypeError, ValueError) as e:
             raise ValueError(f"task {spec.task_id}: metadata.visible_tests[{i}] is not {{'args', 'expected'}} JSON: {e}") from e
     return tuple(out)
