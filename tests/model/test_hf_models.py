@@ -189,6 +189,30 @@ def test_a_prompt_past_the_models_context_is_one_clear_error(hf_dir):
     assert len(TorchEngine(model, tok).generate(prompts, max_new_tokens=2, greedy=True)) == 2
 
 
+def _fn_spec(task_id: str, prompt: str):
+    from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
+
+    return TaskSpec(task_id=task_id, family="handmade", prompt=prompt, reference_solution="    return x + 1\n",
+                    execution_steps=(OverwriteFile(path="/app/solution.py", content="def f(x):\n" + COMPLETION),
+                                     CheckCalls(entry_point="f")),
+                    tests=(CallTest(args="[1]", expected="2"), CallTest(args="[5]", expected="6")))
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_the_engines_context_error_names_the_task(hf_dir, turns):
+    """The engine's check stays as the last guard; evaluation (single- and multi-turn) names the task."""
+    from ratchet.config import AgentConfig, NightlyConfig
+    from ratchet.eval import evaluate
+    from ratchet.train.session import load_engine
+
+    _, path = hf_dir
+    engine = load_engine(path, NightlyConfig(model=ModelConfig(path=str(path), device="cpu")))
+    specs = [_fn_spec("short", "def f(x):\n"), _fn_spec("imported-x/long", "x = 1\n" * 400)]
+    with pytest.raises(ValueError, match=r"^task imported-x/long \(prompt 1\): \d+ tokens \+ max_new_tokens 8 exceed "
+                                         f"the model's context of {CONTEXT} tokens"):
+        evaluate(engine, specs, max_new_tokens=8, agent=AgentConfig(turns=turns))
+
+
 def _train_a_little(model, tok) -> dict:
     """Sample 4 rollouts and take the torch trainer's steps on them (rewards 0, 1, 0, 1)."""
     from ratchet.config import NightlyConfig, TrainConfig
