@@ -63,7 +63,9 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     with run_attempt(open_store(cfg.store), run_id, owner=flow_run.id or run_id) as lease:
         snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
         snapshots += [import_envs(source, cfg.envs, cfg.store) for source in cfg.envs.sources]   # users' task sets
-        audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
+        # the model's tokenizer and context: a prompt that leaves it no room to answer is quarantined here
+        audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store, cfg.model, cfg.rollout.max_new_tokens)
+                  for snapshot in snapshots]
         train = [a.passed for a in audits]
         heldout = [a.heldout_passed for a in audits]
 

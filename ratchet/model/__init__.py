@@ -11,6 +11,7 @@ Any other local Hugging Face causal LM loads through the Auto classes:
     eos_ids(model, tokenizer)                           # every id that ends a sequence (generation_config)
     context_length(model)                               # max_position_embeddings (or the like), None if unknown
     encode_prompts(tokenizer, prompts, chat=True)       # token ids, through the chat template as a user turn
+    prompt_room(cfg.model, max_new_tokens)(prompts)     # per prompt: why it leaves no room to answer (None: fits)
     save_policy(model, tokenizer, path)                 # safetensors + config + generation config + tokenizer
 
 Chat template (`ModelConfig.chat_template`, default "auto"): a task's prompt is plain text. A
@@ -23,12 +24,14 @@ no template and sees the plain prompt ("off" forces that for any model).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
+                          PreTrainedTokenizerFast)
 
 from ratchet.config import ModelConfig
 
@@ -149,8 +152,8 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def context_length(model) -> int | None:
-    """The model's own context window from its config (None when the config names none)."""
-    cfg = model.config
+    """The model's own context window from its config (a model or its config; None when it names none)."""
+    cfg = getattr(model, "config", model)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
@@ -177,6 +180,38 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
     if bos is None:
         return [list(x) for x in ids]
     return [list(x) if x[:1] == [bos] else [bos, *x] for x in ids]
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """Whether task prompts leave room for the completion in the model's context, counted as the run's
+    rollout engine counts them (`encode_prompts`: the same tokenizer, the chat template when the run
+    uses one), so a prompt it passes is one the engine's own check (PromptTooLong) passes."""
+
+    tokenizer: object
+    chat: bool
+    context: int
+    max_new_tokens: int
+
+    def __call__(self, prompts: list[str]) -> list[str | None]:
+        """Per prompt: why it does not fit (None: it fits)."""
+        room = self.context - self.max_new_tokens
+        return [None if len(ids) <= room else f"prompt is {len(ids)} tokens + max_new_tokens {self.max_new_tokens}, "
+                f"over the model's context of {self.context} tokens"
+                for ids in encode_prompts(self.tokenizer, prompts, self.chat)]
+
+
+def prompt_room(cfg: ModelConfig, max_new_tokens: int) -> PromptRoom | None:
+    """The PromptRoom of the model directory `cfg.path` (its tokenizer and config, no weights loaded).
+    None for the embedded model (its tokenizer is trained in the warm start, after the audit) and for
+    a config that names no context."""
+    if not cfg.path:
+        return None
+    context = context_length(AutoConfig.from_pretrained(cfg.path))
+    if context is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    return PromptRoom(tokenizer, use_chat_template(cfg.chat_template, tokenizer), context, max_new_tokens)
 
 
 @torch.no_grad()

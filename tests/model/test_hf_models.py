@@ -198,6 +198,35 @@ def _fn_spec(task_id: str, prompt: str):
                     tests=(CallTest(args="[1]", expected="2"), CallTest(args="[5]", expected="6")))
 
 
+def test_the_audits_prompt_room_is_the_run_engines_own_count(hf_dir):
+    """ratchet.model.prompt_room (what the nightly's audit checks) counts a prompt as the run's engine
+    encodes it, chat template included: a prompt whose plain tokens fill the room exactly fits the
+    Llama (no template), and is too long for the Qwen2 once its ChatML turn is around it, where the
+    engine refuses it too."""
+    from ratchet.config import NightlyConfig
+    from ratchet.model import prompt_room
+    from ratchet.train.session import load_engine
+
+    arch, path = hf_dir
+    cfg = ModelConfig(path=str(path), device="cpu")
+    engine = load_engine(path, NightlyConfig(model=cfg))
+    assert engine.chat_template == (arch == "qwen2")
+    prompt = "def f(x):\n"
+    while len(encode_prompts(engine.tokenizer, [prompt + "x = 1\n"])[0]) <= CONTEXT - 4:
+        prompt += "x = 1\n"
+    max_new = CONTEXT - len(encode_prompts(engine.tokenizer, [prompt])[0])   # the plain prompt fills the rest
+    (why,) = prompt_room(cfg, max_new)([prompt])
+    chat_tokens = len(engine.encode_prompts([prompt])[0])
+    if arch == "llama":
+        assert why is None
+        assert len(engine.generate([prompt], max_new_tokens=max_new, greedy=True)) == 1
+    else:
+        assert why == f"prompt is {chat_tokens} tokens + max_new_tokens {max_new}, over the model's context of {CONTEXT} tokens"
+        with pytest.raises(ValueError, match=f"prompt 0: {chat_tokens} tokens"):
+            engine.generate([prompt], max_new_tokens=max_new, greedy=True)
+    assert prompt_room(ModelConfig(), 16) is None          # the embedded model: no tokenizer before its warm start
+
+
 @pytest.mark.parametrize("turns", [1, 2])
 def test_the_engines_context_error_names_the_task(hf_dir, turns):
     """The engine's check stays as the last guard; evaluation (single- and multi-turn) names the task."""
@@ -309,3 +338,40 @@ def test_nightly_post_trains_the_model_and_saves_it_in_hf_layout(arch, prefect_h
     wave = store.read_table(f"runs/hf-{arch}/waves/000001/trajectories.parquet")
     chat = arch == "qwen2"       # model.chat_template "auto": the prompts went through Qwen2's template
     assert wave["prompt_tokens"].to_list() == [len(ids) for ids in encode_prompts(tok, wave["prompt"].to_list(), chat)]
+
+
+def test_a_held_out_prompt_past_the_context_is_quarantined_and_the_run_goes_on(prefect_harness, tmp_path):
+    """A task file with a held-out task whose prompt (4,000 characters) leaves the model no room to answer:
+    the nightly's audit quarantines it as too_long, naming the token count, and the run trains and
+    evaluates on the rest (the engine used to refuse the whole base evaluation)."""
+    from flows.nightly import nightly
+    from ratchet.store import open_store
+
+    def line(task_id: str, prompt: str, k: int, split: str) -> str:
+        return json.dumps({"task_id": task_id, "prompt": prompt, "reference_solution": f"    return x + {k}\n", "split": split,
+                           "execution_steps": [{"action": "overwrite_file", "path": "/app/solution.py",
+                                                "content": "def f(x):\n<model_generated_code>"},
+                                               {"action": "check_calls", "entry_point": "f"}],
+                           "tests": [{"args": "[1]", "expected": str(1 + k)}, {"args": "[5]", "expected": str(5 + k)}]})
+
+    long_prompt = "".join(f"Note {i}: f must handle the integer {i} correctly. " for i in range(80))
+    src = tmp_path / "longp.jsonl"
+    src.write_text("\n".join([line("longp", long_prompt, 1, "heldout"),
+                              line("short", "Write f(x) returning x plus seven, for held-out checking\n", 7, "heldout"),
+                              line("train", "def f(x): return two more than x\n", 2, "train")]) + "\n")
+    cfg = _nightly_cfg(str(tmp_path / "store"), make_llama(tmp_path / "model"), "longp")
+    cfg = cfg.model_copy(update={"steps": 1, "checkpoint_every": 1,
+                                 "envs": cfg.envs.model_copy(update={"sources": (str(src),)})})
+    summary = nightly(cfg)
+
+    assert summary["policy_version"] == 1
+    (counts,) = [c for c in summary["audits"] if c["too_long"]]
+    assert counts["too_long"] == 1 and counts["pass"] == 2
+    store = open_store(str(tmp_path / "store"))
+    quarantine = store.read_table(f"envs/imported-longp/{summary['sources'][0]['version']}/quarantine.parquet")
+    assert quarantine["task_id"].to_list() == ["imported-longp/longp"]
+    assert quarantine["verdict"].to_list() == ["too_long"]
+    assert quarantine["reason"][0].endswith(f"tokens + max_new_tokens 12, over the model's context of {CONTEXT} tokens")
+    for stage in ("base", "final"):
+        evaluated = set(store.read_table(summary[stage]["eval"][len(store.root_uri) + 1:])["task_id"])
+        assert "imported-longp/short" in evaluated and "imported-longp/longp" not in evaluated
