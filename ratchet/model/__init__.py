@@ -193,18 +193,26 @@ class PromptRoom:
     context: int
     max_new_tokens: int
 
+    def tokens(self, prompts: list[str]) -> list[int]:
+        """Per prompt: its length in tokens, as the engine encodes it."""
+        return [len(ids) for ids in encode_prompts(self.tokenizer, prompts, self.chat)]
+
+    def why(self, tokens: int) -> str | None:
+        """Why a prompt of `tokens` tokens does not fit (None: it fits)."""
+        if tokens + self.max_new_tokens <= self.context:
+            return None
+        return (f"prompt is {tokens} tokens + max_new_tokens {self.max_new_tokens}, "
+                f"over the model's context of {self.context} tokens")
+
     def __call__(self, prompts: list[str]) -> list[str | None]:
         """Per prompt: why it does not fit (None: it fits)."""
-        room = self.context - self.max_new_tokens
-        return [None if len(ids) <= room else f"prompt is {len(ids)} tokens + max_new_tokens {self.max_new_tokens}, "
-                f"over the model's context of {self.context} tokens"
-                for ids in encode_prompts(self.tokenizer, prompts, self.chat)]
+        return [self.why(n) for n in self.tokens(prompts)]
 
 
 def prompt_room(cfg: ModelConfig, max_new_tokens: int) -> PromptRoom | None:
     """The PromptRoom of the model directory `cfg.path` (its tokenizer and config, no weights loaded).
-    None for the embedded model (its tokenizer is trained in the warm start, after the audit) and for
-    a config that names no context."""
+    None for the embedded model (its tokenizer is trained in the warm start, from the run's tasks) and
+    for a config that names no context."""
     if not cfg.path:
         return None
     context = context_length(AutoConfig.from_pretrained(cfg.path))
