@@ -17,11 +17,10 @@ held-out evaluation, under the same `VerifyConfig.sandbox_limits()`. Per task:
 - mutation testing: mutants of the reference (`envs.mutation`) must be killed by the tests;
   a score below `mutation_threshold` is "weak_tests";
 - the reference's runtime is within `max_reference_ms` ("too_slow"); the prompt is within
-  `max_prompt_chars` and, given the run's model (`prompt_room`: the nightly passes its model
-  directory's), its tokens as the rollout engine encodes them (chat template included) plus
-  `rollout.max_new_tokens` fit the model's context ("too_long", checked before anything runs:
-  the engine would refuse the prompt and stop the run); a task the verifier cannot run at all is
-  "env_error".
+  `max_prompt_chars` ("too_long"); a task the verifier cannot run at all is "env_error".
+  The audit knows no model: its verdicts are shared by every run. Whether a prompt leaves a run's
+  model room to answer is that run's check, after the audit (`ratchet.room`, the nightly's
+  `fit_to_context`).
 
 Cost. Every candidate of every task goes into as few sandbox waves as possible. Run 1 of each
 reference is a full verification (`verify_many`, the path training uses; its wall time is the
@@ -192,11 +191,9 @@ def _candidates(spec: TaskSpec, cfg: AuditConfig) -> Candidates:
     return Candidates(cfg.reference_runs - 1, trivial_answers(spec), task_mutants(spec, limit))
 
 
-def _blocked(spec: TaskSpec, too_long: str | None = None) -> Verdict | None:
-    """The verdict of a task that must not run at all: a prompt that leaves the model no room to answer
-    (`too_long`: why), leaking tests, tests that cannot be read, or one the verifier cannot run."""
-    if too_long is not None:
-        return Verdict(spec.task_id, "too_long", too_long, None)
+def _blocked(spec: TaskSpec) -> Verdict | None:
+    """The verdict of a task that must not run at all: leaking tests, tests that cannot be read, or one
+    the verifier cannot run."""
     try:
         leaks = hidden_test_leaks(spec)
     except (ValueError, TypeError) as e:   # e.g. a malformed metadata.visible_tests: nothing to check against
@@ -211,17 +208,13 @@ def _blocked(spec: TaskSpec, too_long: str | None = None) -> Verdict | None:
 
 
 def audit(specs: list[TaskSpec], cfg: AuditConfig = AuditConfig(), verify: VerifyConfig = VerifyConfig(),
-          progress: Callable[[int, int], None] | None = None,
-          prompt_room: Callable[[list[str]], list[str | None]] | None = None) -> list[Verdict]:
+          progress: Callable[[int, int], None] | None = None) -> list[Verdict]:
     """Audit each spec; one Verdict per spec, in order. `progress(done, total)`, if given, counts the
-    candidate runs (first reference runs, repeats, trivial answers, mutants) as they finish.
-    `prompt_room(prompts)`, if given (the run's model: `ratchet.model.prompt_room`), says per prompt why
-    it leaves no room for the completion in the model's context (None: it fits); such a task is "too_long"."""
+    candidate runs (first reference runs, repeats, trivial answers, mutants) as they finish."""
     limits = verify.sandbox_limits()
     short = replace(limits, wall_s=min(limits.wall_s, cfg.candidate_wall_s), cpu_s=min(limits.cpu_s, cfg.candidate_wall_s))
     executor = executor_for(verify)   # this process's sandbox, or Ray tasks over a cluster (verify.executor)
-    too_long = prompt_room([s.prompt for s in specs]) if prompt_room is not None and specs else [None] * len(specs)
-    blocked = [_blocked(s, why) for s, why in zip(specs, too_long)]
+    blocked = [_blocked(s) for s in specs]
     live = [i for i in range(len(specs)) if blocked[i] is None]
     with_ref = [i for i in live if specs[i].reference_solution is not None]
     candidates = {i: _candidates(specs[i], cfg) for i in live}

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs.runtime import ensure_runtimes
 from envs.snapshot import VERDICTS, load_specs, save_audit
 from ratchet.audit import audit
-from ratchet.config import AuditConfig, ModelConfig, RolloutConfig, StoreConfig, VerifyConfig
+from ratchet.config import AuditConfig, StoreConfig, VerifyConfig
 from ratchet.data.gates import check_tasks
 from ratchet.store import Ref, open_store
 from tasks.produce import EnvSnapshot
@@ -41,11 +41,8 @@ class AuditResult(BaseModel):
 
 
 @task(retries=1, retry_delay_seconds=[5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, store: StoreConfig,
-               model: ModelConfig | None = None, max_new_tokens: int = RolloutConfig().max_new_tokens) -> AuditResult:
+def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, store: StoreConfig) -> AuditResult:
     """Audit every task of a snapshot in the sandbox; quarantine the failures with their reason.
-    With the run's `model` (a model directory), a task whose prompt, as the rollout engine encodes it,
-    leaves no room for `max_new_tokens` in the model's context is quarantined too ("too_long").
     The tasks that passed go through the task-table gate (Great Expectations) before any
     rollout may sample them; a failed gate stops the flow with the report as an artifact."""
     specs = load_specs(snapshot.train) + load_specs(snapshot.heldout)
@@ -53,12 +50,7 @@ def audit_envs(snapshot: EnvSnapshot, cfg: AuditConfig, verify: VerifyConfig, st
     for built in ensure_runtimes(specs, st).values():   # each runtime once, before any task runs in it
         if built.error:
             get_run_logger().warning("runtime %s: %s (its tasks become env_errors)", built.key, built.error)
-    room = None
-    if model is not None:
-        from ratchet.model import prompt_room   # torch and transformers: only for a run's audit
-
-        room = prompt_room(model, max_new_tokens)
-    verdicts = audit(specs, cfg, verify, prompt_room=room)
+    verdicts = audit(specs, cfg, verify)
     saved = save_audit(st, snapshot.family, snapshot.version, specs, verdicts)
     _artifacts(snapshot, saved.table, saved.counts, saved.changed)
     get_run_logger().info("audit %s %s: %s", snapshot.family, snapshot.version, saved.counts)

@@ -86,32 +86,6 @@ def test_unreadable_visible_examples_quarantine_their_task_not_the_audit():
     assert vis2.verdict == "broken" and "metadata.visible_tests is not a list" in vis2.reason
 
 
-def test_a_prompt_without_room_to_answer_is_too_long_as_the_engine_counts_it():
-    """With the run's model, a prompt whose tokens (as the rollout engine encodes them) + max_new_tokens
-    exceed the context is quarantined before anything runs; the one that fits exactly passes. The
-    engine agrees on both: it refuses the first and samples the second."""
-    from ratchet.config import ModelConfig
-    from ratchet.model import PromptRoom, build_model, build_tokenizer
-    from ratchet.rollout.torch_engine import TorchEngine
-
-    tok = build_tokenizer(["def f(x):\n    return 3 * x + 1\n"] * 20, 300)
-    room = PromptRoom(tok, chat=False, context=64, max_new_tokens=16)
-    engine = TorchEngine(build_model(ModelConfig(hidden_size=16, num_layers=1, num_heads=2, max_seq_len=64), tok).eval(),
-                         tok, check_context=True)
-    base = len(engine.encode_prompts(["def f(x):\n"])[0])    # BOS + the prompt's tokens
-    fits = "#" * (64 - 16 - base) + "def f(x):\n"              # '#' is not in the corpus: one token each
-    over = "#" + fits
-    assert [len(ids) for ids in engine.encode_prompts([fits, over])] == [48, 49]   # 48 + 16 = the context
-    v = by_id(audit([GOOD.model_copy(update={"task_id": "fits", "prompt": fits}),
-                     GOOD.model_copy(update={"task_id": "over", "prompt": over})], cfg=FAST, prompt_room=room))
-    assert v["fits"].verdict == "pass"
-    assert v["over"].verdict == "too_long" and v["over"].reference_ms is None
-    assert v["over"].reason == "prompt is 49 tokens + max_new_tokens 16, over the model's context of 64 tokens"
-    assert len(engine.generate([fits], max_new_tokens=16, greedy=True)) == 1
-    with pytest.raises(ValueError, match="prompt 0: 49 tokens \\+ max_new_tokens 16 exceed the model's context of 64"):
-        engine.generate([over], max_new_tokens=16, greedy=True)
-
-
 def test_a_task_without_reference_is_audited_by_its_other_probes():
     no_ref = GOOD.model_copy(update={"task_id": "no_ref", "reference_solution": None})
     trivial = TRIVIAL.model_copy(update={"reference_solution": None})
@@ -148,3 +122,11 @@ def test_regression_reports_changed_verdicts():
     changed = regression(prev, cur)
     assert changed.to_dicts() == [{"task_id": "b", "split": "train", "previous": "pass", "current": "weak_tests",
                                    "reason": "tests kill 1/4 mutants"}]
+
+
+def test_the_audit_knows_no_model_a_long_prompt_within_the_budget_passes():
+    """Whether a prompt fits a model's context is the run's check (ratchet/room.py), not the audit's: the
+    audit's verdicts are shared by every run and model, so a 4,000-character prompt passes it."""
+    long = GOOD.model_copy(update={"task_id": "long", "prompt": "# " + "note " * 800 + "\n"})
+    assert len(long.prompt) > 4000
+    assert by_id(audit([long], cfg=FAST))["long"].verdict == "pass"

@@ -63,7 +63,7 @@ def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
 
 class PromptTooLong(ValueError):
     """A prompt whose tokens + max_new_tokens exceed the model's context: the engine's last guard (the
-    audit quarantines such tasks first, `ratchet.model.PromptRoom`). `index` is the first such prompt's;
+    nightly drops such tasks for the run first, `ratchet.room`). `index` is the first such prompt's;
     a caller that knows its task names it (`naming_tasks`)."""
 
     def __init__(self, index: int, tokens: int, max_new_tokens: int, context: int, count: int = 1,

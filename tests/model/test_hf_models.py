@@ -198,8 +198,8 @@ def _fn_spec(task_id: str, prompt: str):
                     tests=(CallTest(args="[1]", expected="2"), CallTest(args="[5]", expected="6")))
 
 
-def test_the_audits_prompt_room_is_the_run_engines_own_count(hf_dir):
-    """ratchet.model.prompt_room (what the nightly's audit checks) counts a prompt as the run's engine
+def test_the_runs_prompt_room_is_the_run_engines_own_count(hf_dir):
+    """ratchet.model.prompt_room (what the nightly's fit_to_context checks) counts a prompt as the run's engine
     encodes it, chat template included: a prompt whose plain tokens fill the room exactly fits the
     Llama (no template), and is too long for the Qwen2 once its ChatML turn is around it, where the
     engine refuses it too."""
@@ -340,13 +340,8 @@ def test_nightly_post_trains_the_model_and_saves_it_in_hf_layout(arch, prefect_h
     assert wave["prompt_tokens"].to_list() == [len(ids) for ids in encode_prompts(tok, wave["prompt"].to_list(), chat)]
 
 
-def test_a_held_out_prompt_past_the_context_is_quarantined_and_the_run_goes_on(prefect_harness, tmp_path):
-    """A task file with a held-out task whose prompt (4,000 characters) leaves the model no room to answer:
-    the nightly's audit quarantines it as too_long, naming the token count, and the run trains and
-    evaluates on the rest (the engine used to refuse the whole base evaluation)."""
-    from flows.nightly import nightly
-    from ratchet.store import open_store
-
+def _long_prompt_source(path: Path, heldout: list[tuple[str, str]]) -> Path:
+    """A task file: held-out tasks (task id, prompt) and one short training task."""
     def line(task_id: str, prompt: str, k: int, split: str) -> str:
         return json.dumps({"task_id": task_id, "prompt": prompt, "reference_solution": f"    return x + {k}\n", "split": split,
                            "execution_steps": [{"action": "overwrite_file", "path": "/app/solution.py",
@@ -354,24 +349,65 @@ def test_a_held_out_prompt_past_the_context_is_quarantined_and_the_run_goes_on(p
                                                {"action": "check_calls", "entry_point": "f"}],
                            "tests": [{"args": "[1]", "expected": str(1 + k)}, {"args": "[5]", "expected": str(5 + k)}]})
 
-    long_prompt = "".join(f"Note {i}: f must handle the integer {i} correctly. " for i in range(80))
-    src = tmp_path / "longp.jsonl"
-    src.write_text("\n".join([line("longp", long_prompt, 1, "heldout"),
-                              line("short", "Write f(x) returning x plus seven, for held-out checking\n", 7, "heldout"),
-                              line("train", "def f(x): return two more than x\n", 2, "train")]) + "\n")
+    lines = [line(task_id, prompt, k, "heldout") for k, (task_id, prompt) in enumerate(heldout, start=1)]
+    path.write_text("\n".join([*lines, line("train", "def f(x): return two more than x\n", 2, "train")]) + "\n")
+    return path
+
+
+LONG_PROMPT = "".join(f"Note {i}: f must handle the integer {i} correctly. " for i in range(80))   # 4,000 characters
+OTHER_LONG_PROMPT = "".join(f"Case {i}: given {i}, f answers {i} plus one, never less. " for i in range(80))
+
+
+def test_a_held_out_prompt_past_the_context_is_quarantined_and_the_run_goes_on(prefect_harness, tmp_path):
+    """A task file with a held-out task whose prompt (4,000 characters) leaves the model no room to answer:
+    the nightly drops it for this run (runs/<run_id>/context/too_long.parquet, naming the token count) and
+    trains and evaluates on the rest (the engine used to refuse the whole base evaluation). The audit is
+    the model's no business: the shared audit table passes the task, with no too_long verdict."""
+    from flows.nightly import nightly
+    from ratchet.store import open_store
+
+    src = _long_prompt_source(tmp_path / "longp.jsonl", [("longp", LONG_PROMPT),
+                                                         ("short", "Write f(x) returning x plus seven, for held-out checking\n")])
     cfg = _nightly_cfg(str(tmp_path / "store"), make_llama(tmp_path / "model"), "longp")
     cfg = cfg.model_copy(update={"steps": 1, "checkpoint_every": 1,
                                  "envs": cfg.envs.model_copy(update={"sources": (str(src),)})})
     summary = nightly(cfg)
 
     assert summary["policy_version"] == 1
-    (counts,) = [c for c in summary["audits"] if c["too_long"]]
-    assert counts["too_long"] == 1 and counts["pass"] == 2
+    assert all(not c.get("too_long") for c in summary["audits"])
     store = open_store(str(tmp_path / "store"))
-    quarantine = store.read_table(f"envs/imported-longp/{summary['sources'][0]['version']}/quarantine.parquet")
-    assert quarantine["task_id"].to_list() == ["imported-longp/longp"]
-    assert quarantine["verdict"].to_list() == ["too_long"]
-    assert quarantine["reason"][0].endswith(f"tokens + max_new_tokens 12, over the model's context of {CONTEXT} tokens")
+    version = summary["sources"][0]["version"]
+    audited = store.read_table(f"envs/imported-longp/{version}/audit.parquet")
+    assert "too_long" not in audited["verdict"].to_list()
+    assert audited.filter(audited["task_id"] == "imported-longp/longp")["verdict"].to_list() == ["pass"]
+    assert not store.exists(f"envs/imported-longp/{version}/quarantine.parquet") or \
+        store.read_table(f"envs/imported-longp/{version}/quarantine.parquet").height == 0
+    assert summary["too_long"]["tasks"] == 1
+    quarantine = store.read_table(summary["too_long"]["quarantine"][len(store.root_uri) + 1:])
+    assert summary["too_long"]["quarantine"].endswith("runs/longp/context/too_long.parquet")
+    assert quarantine.select("task_id", "family", "split").rows() == [("imported-longp/longp", "imported-longp", "heldout")]
+    tokens = quarantine["prompt_tokens"][0]
+    assert tokens + 12 > CONTEXT
+    assert quarantine["reason"][0] == f"prompt is {tokens} tokens + max_new_tokens 12, over the model's context of {CONTEXT} tokens"
     for stage in ("base", "final"):
         evaluated = set(store.read_table(summary[stage]["eval"][len(store.root_uri) + 1:])["task_id"])
         assert "imported-longp/short" in evaluated and "imported-longp/longp" not in evaluated
+
+
+def test_a_source_left_without_held_out_tasks_stops_the_run_naming_it(prefect_harness, tmp_path):
+    """Every held-out prompt of a source past the context: the run stops before anything samples, with one
+    error naming the source and why (not the task-table gate's report on an empty table)."""
+    from flows.nightly import nightly
+    from ratchet.room import NoTasksLeft
+    from ratchet.store import open_store
+
+    src = _long_prompt_source(tmp_path / "allong.jsonl", [("longp", LONG_PROMPT), ("longq", OTHER_LONG_PROMPT)])
+    cfg = _nightly_cfg(str(tmp_path / "store"), make_llama(tmp_path / "model"), "allong")
+    cfg = cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"sources": (str(src),)})})
+    with pytest.raises(NoTasksLeft, match=r"source imported-allong \S+: no held-out task left for this run's model: "
+                                          r"all 2 of its held-out task\(s\) have prompts that leave no room for "
+                                          rf"rollout.max_new_tokens 12 in the model's context of {CONTEXT} tokens"):
+        nightly(cfg)
+    store = open_store(str(tmp_path / "store"))
+    assert store.read_table("runs/allong/context/too_long.parquet").height == 2
+    assert not store.list("runs/allong/eval/")
