@@ -1,6 +1,6 @@
 """The nightly training cycle, top to bottom.
 
-    produce_envs (+ import_envs per task source) -> audit_envs -> bootstrap_policy -> evaluate (base)
+    produce_envs (+ import_envs per task source) -> audit_envs -> fit_to_context -> bootstrap_policy -> evaluate (base)
     -> [rollout_wave -> score_wave -> gate_wave -> train_epoch -> record_wave -> watch_wave -> check_health
         (-> checkpoint_policy, evaluate)] x steps
        (rollout.mode async: the rollouts of the next max_staleness waves run while a wave trains)
@@ -31,6 +31,7 @@ from tasks.audit import audit_envs
 from tasks.evaluate import evaluate, evaluate_incumbent, promote
 from tasks.gate import check_health, gate_wave
 from tasks.produce import import_envs, produce_envs
+from tasks.room import fit_to_context
 from tasks.rollout import rollout_wave
 from tasks.score import score_wave
 from tasks.summary import record_wave, write_summary
@@ -64,8 +65,8 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         snapshots = [produce_envs(family, cfg.envs, cfg.store) for family in cfg.envs.families]
         snapshots += [import_envs(source, cfg.envs, cfg.store) for source in cfg.envs.sources]   # users' task sets
         audits = [audit_envs(snapshot, cfg.audit, cfg.verify, cfg.store) for snapshot in snapshots]
-        train = [a.passed for a in audits]
-        heldout = [a.heldout_passed for a in audits]
+        tasks = fit_to_context(run_id, audits, cfg)   # the run's model: a prompt with no room to answer is dropped
+        train, heldout = tasks.train, tasks.heldout
 
         policy = bootstrap_policy(run_id, cfg, train)
         base = evaluate(policy.model_copy(update={"version": 0}), heldout, cfg)  # cached per version: resume-safe
@@ -113,6 +114,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
         "incumbent": incumbent,
         "eval_table": vertical_table({"base": base, "candidate": final, "incumbent": incumbent}, cfg.eval.confidence),
         "audits": [a.counts for a in audits],
+        "too_long": {"tasks": tasks.too_long, "quarantine": tasks.quarantine.uri if tasks.quarantine else None},
         "sources": [s.imported for s in snapshots if s.imported],
         "by_source": pass_rates_by_source({"base": base, "final": final, "incumbent": incumbent}),
         "config": cfg.model_dump(mode="json"),

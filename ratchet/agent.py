@@ -30,6 +30,7 @@ from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import AgentConfig, VerifyConfig
 from ratchet.data.schemas import trajectories_frame
+from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
 from ratchet.scale import executor_for
 from ratchet.train.sft import demo_sequence
@@ -145,9 +146,10 @@ def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, 
                 out.append(render_observation(spec, v, engine.tokenizer, agent.observation_tokens))
         return out
 
-    episodes = generate_episodes(engine, [s.prompt for s in specs], n, respond, max_turns=agent.turns,
-                                 max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                                 seed=seed, batch_size=batch_size)
+    with naming_tasks([s.task_id for s in specs]):
+        episodes = generate_episodes(engine, [s.prompt for s in specs], n, respond, max_turns=agent.turns,
+                                     max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
+                                     seed=seed, batch_size=batch_size)
     results = []
     for i, ep in enumerate(episodes):
         got = verdicts.get(i, [])

@@ -8,15 +8,19 @@ sandbox run, compared the same way and "passed" in the same sense as a training 
 held-out evaluation, under the same `VerifyConfig.sandbox_limits()`. Per task:
 
 - hidden tests can be read off the prompt, or repeat a visible example ("leaky_tests",
-  `ratchet.verify.guards.hidden_test_leaks`; checked before anything runs);
+  `ratchet.verify.guards.hidden_test_leaks`; checked before anything runs; tests or visible
+  examples that cannot be read, e.g. a malformed `metadata.visible_tests`: "broken");
 - the reference solution passes on every one of `reference_runs` runs (else "flaky"; never
   passes: "broken");
 - trivial answers fail: the family's list, e.g. empty, `pass`, return the input, return a
   constant, raise ("trivial_passes");
 - mutation testing: mutants of the reference (`envs.mutation`) must be killed by the tests;
   a score below `mutation_threshold` is "weak_tests";
-- the reference's runtime is within `max_reference_ms` ("too_slow"); the prompt fits the
-  model's context ("too_long"); a task the verifier cannot run at all is "env_error".
+- the reference's runtime is within `max_reference_ms` ("too_slow"); the prompt is within
+  `max_prompt_chars` ("too_long"); a task the verifier cannot run at all is "env_error".
+  The audit knows no model: its verdicts are shared by every run. Whether a prompt leaves a run's
+  model room to answer is that run's check, after the audit (`ratchet.room`, the nightly's
+  `fit_to_context`).
 
 Cost. Every candidate of every task goes into as few sandbox waves as possible. Run 1 of each
 reference is a full verification (`verify_many`, the path training uses; its wall time is the
@@ -188,8 +192,12 @@ def _candidates(spec: TaskSpec, cfg: AuditConfig) -> Candidates:
 
 
 def _blocked(spec: TaskSpec) -> Verdict | None:
-    """The verdict of a task that must not run at all: leaking tests, or one the verifier cannot run."""
-    leaks = hidden_test_leaks(spec)
+    """The verdict of a task that must not run at all: leaking tests, tests that cannot be read, or one
+    the verifier cannot run."""
+    try:
+        leaks = hidden_test_leaks(spec)
+    except (ValueError, TypeError) as e:   # e.g. a malformed metadata.visible_tests: nothing to check against
+        return Verdict(spec.task_id, "broken", f"its tests cannot be read: {e}", None)
     if leaks:
         return Verdict(spec.task_id, "leaky_tests", "; ".join(leaks[:3]), None)
     try:

@@ -15,6 +15,7 @@ from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
 from ratchet.reward.frame import turn_states
 from ratchet.rl import answer_count
+from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
 from ratchet.train.batching import TrainSample, loss_mask_of
@@ -43,7 +44,8 @@ def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int,
         results = run_episodes(engine, specs, cfg.rollout.group_size, cfg.agent, cfg.verify, greedy=False,
                                executor=executor or executor_for(cfg.verify), **sampling)
         return episode_frame(run_id, step, version, specs, results, cfg.rollout.group_size)
-    rollouts = engine.generate([s.prompt for s in specs], n=cfg.rollout.group_size, **sampling)
+    with naming_tasks([s.task_id for s in specs]):
+        rollouts = engine.generate([s.prompt for s in specs], n=cfg.rollout.group_size, **sampling)
     return wave_frame(run_id, step, version, specs, rollouts, cfg.rollout.group_size)
 
 

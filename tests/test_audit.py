@@ -75,6 +75,17 @@ def test_leaky_tests_are_quarantined_before_anything_runs():
     assert v.verdict == "leaky_tests" and "hidden test 1" in v.reason and v.reference_ms is None
 
 
+def test_unreadable_visible_examples_quarantine_their_task_not_the_audit():
+    """A malformed metadata.visible_tests is that task's fault: it is "broken" with the reason, the rest is audited."""
+    bad_item = GOOD.model_copy(update={"task_id": "vis", "metadata": {**GOOD.metadata, "visible_tests": [{"args": 1}]}})
+    not_list = GOOD.model_copy(update={"task_id": "vis2", "metadata": {**GOOD.metadata, "visible_tests": 5}})
+    good, vis, vis2 = audit([GOOD, bad_item, not_list], cfg=FAST.model_copy(update={"max_mutants": 2}))
+    assert good.verdict == "pass"
+    assert vis.verdict == "broken" and "metadata.visible_tests.0" in vis.reason and "\n" not in vis.reason
+    assert "args: Input should be a valid string" in vis.reason and "expected: Field required" in vis.reason
+    assert vis2.verdict == "broken" and "metadata.visible_tests: must be a list" in vis2.reason
+
+
 def test_a_task_without_reference_is_audited_by_its_other_probes():
     no_ref = GOOD.model_copy(update={"task_id": "no_ref", "reference_solution": None})
     trivial = TRIVIAL.model_copy(update={"reference_solution": None})
@@ -111,3 +122,11 @@ def test_regression_reports_changed_verdicts():
     changed = regression(prev, cur)
     assert changed.to_dicts() == [{"task_id": "b", "split": "train", "previous": "pass", "current": "weak_tests",
                                    "reason": "tests kill 1/4 mutants"}]
+
+
+def test_the_audit_knows_no_model_a_long_prompt_within_the_budget_passes():
+    """Whether a prompt fits a model's context is the run's check (ratchet/room.py), not the audit's: the
+    audit's verdicts are shared by every run and model, so a 4,000-character prompt passes it."""
+    long = GOOD.model_copy(update={"task_id": "long", "prompt": "# " + "note " * 800 + "\n"})
+    assert len(long.prompt) > 4000
+    assert by_id(audit([long], cfg=FAST))["long"].verdict == "pass"

@@ -33,6 +33,7 @@ import polars as pl
 from envs.spec import TaskSpec
 from ratchet.config import AgentConfig, EvalConfig, VerifyConfig
 from ratchet.eval.stats import PromotionDecision, bootstrap_mean, decide, pass_at_k
+from ratchet.rollout.engine import naming_tasks
 from ratchet.scale import executor_for
 from ratchet.verify import verify_many
 
@@ -142,7 +143,8 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         turns = [[{k: t[k] for k in ("passed", "action_tokens", "observation_tokens")} for t in turn_records(e)]
                  for e in episodes]
     else:
-        rollouts = engine.generate([s.prompt for s in specs], n=samples, **sampling)
+        with naming_tasks([s.task_id for s in specs]):
+            rollouts = engine.generate([s.prompt for s in specs], n=samples, **sampling)
         owner = [specs[r.prompt_index] for r in rollouts]
         completions = [r.text for r in rollouts]
         results = verify_many(list(zip(owner, completions)), verify.sandbox_limits(), verify.concurrency,

@@ -12,6 +12,7 @@ Any other local Hugging Face causal LM loads through the Auto classes:
     context_length(model)                               # max_position_embeddings (or the like), None if unknown
     model_header(path)                                  # config + generation config, no weights: for the above
     encode_prompts(tokenizer, prompts, chat=True)       # token ids, through the chat template as a user turn
+    prompt_room(cfg.model, max_new_tokens)(prompts)     # per prompt: why it leaves no room to answer (None: fits)
     save_policy(model, tokenizer, path)                 # safetensors + config + generation config + tokenizer
 
 Chat template (`ModelConfig.chat_template`, default "auto"): a task's prompt is plain text. A
@@ -24,6 +25,7 @@ no template and sees the plain prompt ("off" forces that for any model).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterable
@@ -173,8 +175,8 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 def context_length(model) -> int | None:
-    """The model's own context window from its config (None when the config names none)."""
-    cfg = model.config
+    """The model's own context window from its config (a model or its config; None when it names none)."""
+    cfg = getattr(model, "config", model)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
@@ -201,6 +203,46 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
     if bos is None:
         return [list(x) for x in ids]
     return [list(x) if x[:1] == [bos] else [bos, *x] for x in ids]
+
+
+@dataclass(frozen=True)
+class PromptRoom:
+    """Whether task prompts leave room for the completion in the model's context, counted as the run's
+    rollout engine counts them (`encode_prompts`: the same tokenizer, the chat template when the run
+    uses one), so a prompt it passes is one the engine's own check (PromptTooLong) passes."""
+
+    tokenizer: object
+    chat: bool
+    context: int
+    max_new_tokens: int
+
+    def tokens(self, prompts: list[str]) -> list[int]:
+        """Per prompt: its length in tokens, as the engine encodes it."""
+        return [len(ids) for ids in encode_prompts(self.tokenizer, prompts, self.chat)]
+
+    def why(self, tokens: int) -> str | None:
+        """Why a prompt of `tokens` tokens does not fit (None: it fits)."""
+        if tokens + self.max_new_tokens <= self.context:
+            return None
+        return (f"prompt is {tokens} tokens + max_new_tokens {self.max_new_tokens}, "
+                f"over the model's context of {self.context} tokens")
+
+    def __call__(self, prompts: list[str]) -> list[str | None]:
+        """Per prompt: why it does not fit (None: it fits)."""
+        return [self.why(n) for n in self.tokens(prompts)]
+
+
+def prompt_room(cfg: ModelConfig, max_new_tokens: int) -> PromptRoom | None:
+    """The PromptRoom of the model directory `cfg.path` (its tokenizer and config, no weights loaded).
+    None for the embedded model (its tokenizer is trained in the warm start, from the run's tasks) and
+    for a config that names no context."""
+    if not cfg.path:
+        return None
+    context = context_length(AutoConfig.from_pretrained(cfg.path))
+    if context is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(cfg.path)
+    return PromptRoom(tokenizer, use_chat_template(cfg.chat_template, tokenizer), context, max_new_tokens)
 
 
 @torch.no_grad()

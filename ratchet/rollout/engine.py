@@ -30,8 +30,9 @@ The contract, held for every engine by tests/rollout/test_engine_contract.py:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 
 @dataclass
@@ -58,6 +59,42 @@ def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
         return None
     i, _, s = min(found)
     return i, s
+
+
+class PromptTooLong(ValueError):
+    """A prompt whose tokens + max_new_tokens exceed the model's context: the engine's last guard (the
+    nightly drops such tasks for the run first, `ratchet.room`). `index` is the first such prompt's;
+    a caller that knows its task names it (`naming_tasks`)."""
+
+    def __init__(self, index: int, tokens: int, max_new_tokens: int, context: int, count: int = 1,
+                 task_id: str | None = None):
+        self.index, self.tokens, self.max_new_tokens, self.context, self.count, self.task_id = (
+            index, tokens, max_new_tokens, context, count, task_id)
+        who = f"task {task_id} (prompt {index})" if task_id is not None else f"prompt {index}"
+        super().__init__(f"{who}: {tokens} tokens + max_new_tokens {max_new_tokens} exceed the model's context of "
+                         f"{context} tokens ({count} prompt(s) too long)")
+
+
+def check_room(encoded: Sequence[Sequence[int]], max_new_tokens: int, context: int | None) -> None:
+    """PromptTooLong for the first encoded prompt that leaves no room for max_new_tokens (context None: no check)."""
+    if context is None:
+        return
+    too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
+    if too_long:
+        i = too_long[0]
+        raise PromptTooLong(i, len(encoded[i]), max_new_tokens, context, len(too_long))
+
+
+@contextmanager
+def naming_tasks(task_ids: Sequence[str]) -> Iterator[None]:
+    """Around a generate call over prompts of these tasks (in order): a PromptTooLong names its task."""
+    try:
+        yield
+    except PromptTooLong as e:
+        if e.task_id is not None or not 0 <= e.index < len(task_ids):
+            raise
+        raise PromptTooLong(e.index, e.tokens, e.max_new_tokens, e.context, e.count,
+                            task_ids[e.index]).with_traceback(e.__traceback__) from None
 
 
 @runtime_checkable

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ratchet.rollout.engine import first_stop
+from ratchet.rollout.engine import check_room, first_stop
 from ratchet.rollout.torch_engine import TorchEngine, _StopScanner, sample
 
 __all__ = ["Episode", "Turn", "generate_episodes", "observation_ids", "prefill_figure"]
@@ -192,12 +192,7 @@ def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: 
         raise ValueError("stop: every stop string must be non-empty")
     encoded = engine.encode_prompts(prompts)
     context = getattr(engine, "context", None)
-    if context is not None:
-        too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(f"prompt {i}: {len(encoded[i])} tokens + max_new_tokens {max_new_tokens} exceed the "
-                             f"model's context of {context} tokens ({len(too_long)} prompt(s) too long)")
+    check_room(encoded, max_new_tokens, context)   # as generate: PromptTooLong naming the prompt
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy, stop=list(stop or []),
                     gen=torch.Generator().manual_seed(seed) if seed is not None else None)
     jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]

@@ -16,7 +16,8 @@ The engine runs wherever the model's weights are (CPU or CUDA, in their dtype): 
 module with the trainer, so a trainer that moves it (DeepSpeed) moves the engine too. With
 `chat_template=True` prompts are rendered as one user turn (ratchet.model.encode_prompts); with
 `check_context=True` a prompt that leaves no room for max_new_tokens in the model's context
-(max_position_embeddings) is a ValueError naming it.
+(max_position_embeddings) is a ValueError naming it (`PromptTooLong`; callers that know the prompt's
+task name it too, `ratchet.rollout.engine.naming_tasks`).
 The interface it implements (greedy and stop semantics): ratchet/rollout/engine.py.
 Speed against `model.generate`: python -m bench.rollout.
 """
@@ -29,7 +30,7 @@ import torch
 
 from ratchet.model import context_length, encode_prompts, eos_ids
 from ratchet.rollout.decoders import decoder_for
-from ratchet.rollout.engine import Rollout, first_stop
+from ratchet.rollout.engine import Rollout, check_room, first_stop
 
 __all__ = ["Rollout", "TorchEngine", "sample"]
 
@@ -105,12 +106,7 @@ class TorchEngine:
             raise ValueError("stop: every stop string must be non-empty")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         encoded = self.encode_prompts(prompts)
-        if self.context is not None:
-            too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > self.context]
-            if too_long:
-                i = too_long[0]
-                raise ValueError(f"prompt {i}: {len(encoded[i])} tokens + max_new_tokens {max_new_tokens} exceed the "
-                                 f"model's context of {self.context} tokens ({len(too_long)} prompt(s) too long)")
+        check_room(encoded, max_new_tokens, self.context)   # PromptTooLong (a ValueError) naming the prompt
         jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
         out: list[Rollout] = []
         was_training = self.model.training

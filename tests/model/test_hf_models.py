@@ -189,6 +189,59 @@ def test_a_prompt_past_the_models_context_is_one_clear_error(hf_dir):
     assert len(TorchEngine(model, tok).generate(prompts, max_new_tokens=2, greedy=True)) == 2
 
 
+def _fn_spec(task_id: str, prompt: str):
+    from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
+
+    return TaskSpec(task_id=task_id, family="handmade", prompt=prompt, reference_solution="    return x + 1\n",
+                    execution_steps=(OverwriteFile(path="/app/solution.py", content="def f(x):\n" + COMPLETION),
+                                     CheckCalls(entry_point="f")),
+                    tests=(CallTest(args="[1]", expected="2"), CallTest(args="[5]", expected="6")))
+
+
+def test_the_runs_prompt_room_is_the_run_engines_own_count(hf_dir):
+    """ratchet.model.prompt_room (what the nightly's fit_to_context checks) counts a prompt as the run's engine
+    encodes it, chat template included: a prompt whose plain tokens fill the room exactly fits the
+    Llama (no template), and is too long for the Qwen2 once its ChatML turn is around it, where the
+    engine refuses it too."""
+    from ratchet.config import NightlyConfig
+    from ratchet.model import prompt_room
+    from ratchet.train.session import load_engine
+
+    arch, path = hf_dir
+    cfg = ModelConfig(path=str(path), device="cpu")
+    engine = load_engine(path, NightlyConfig(model=cfg))
+    assert engine.chat_template == (arch == "qwen2")
+    prompt = "def f(x):\n"
+    while len(encode_prompts(engine.tokenizer, [prompt + "x = 1\n"])[0]) <= CONTEXT - 4:
+        prompt += "x = 1\n"
+    max_new = CONTEXT - len(encode_prompts(engine.tokenizer, [prompt])[0])   # the plain prompt fills the rest
+    (why,) = prompt_room(cfg, max_new)([prompt])
+    chat_tokens = len(engine.encode_prompts([prompt])[0])
+    if arch == "llama":
+        assert why is None
+        assert len(engine.generate([prompt], max_new_tokens=max_new, greedy=True)) == 1
+    else:
+        assert why == f"prompt is {chat_tokens} tokens + max_new_tokens {max_new}, over the model's context of {CONTEXT} tokens"
+        with pytest.raises(ValueError, match=f"prompt 0: {chat_tokens} tokens"):
+            engine.generate([prompt], max_new_tokens=max_new, greedy=True)
+    assert prompt_room(ModelConfig(), 16) is None          # the embedded model: no tokenizer before its warm start
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_the_engines_context_error_names_the_task(hf_dir, turns):
+    """The engine's check stays as the last guard; evaluation (single- and multi-turn) names the task."""
+    from ratchet.config import AgentConfig, NightlyConfig
+    from ratchet.eval import evaluate
+    from ratchet.train.session import load_engine
+
+    _, path = hf_dir
+    engine = load_engine(path, NightlyConfig(model=ModelConfig(path=str(path), device="cpu")))
+    specs = [_fn_spec("short", "def f(x):\n"), _fn_spec("imported-x/long", "x = 1\n" * 400)]
+    with pytest.raises(ValueError, match=r"^task imported-x/long \(prompt 1\): \d+ tokens \+ max_new_tokens 8 exceed "
+                                         f"the model's context of {CONTEXT} tokens"):
+        evaluate(engine, specs, max_new_tokens=8, agent=AgentConfig(turns=turns))
+
+
 def _train_a_little(model, tok) -> dict:
     """Sample 4 rollouts and take the torch trainer's steps on them (rewards 0, 1, 0, 1)."""
     from ratchet.config import NightlyConfig, TrainConfig
@@ -285,3 +338,76 @@ def test_nightly_post_trains_the_model_and_saves_it_in_hf_layout(arch, prefect_h
     wave = store.read_table(f"runs/hf-{arch}/waves/000001/trajectories.parquet")
     chat = arch == "qwen2"       # model.chat_template "auto": the prompts went through Qwen2's template
     assert wave["prompt_tokens"].to_list() == [len(ids) for ids in encode_prompts(tok, wave["prompt"].to_list(), chat)]
+
+
+def _long_prompt_source(path: Path, heldout: list[tuple[str, str]]) -> Path:
+    """A task file: held-out tasks (task id, prompt) and one short training task."""
+    def line(task_id: str, prompt: str, k: int, split: str) -> str:
+        return json.dumps({"task_id": task_id, "prompt": prompt, "reference_solution": f"    return x + {k}\n", "split": split,
+                           "execution_steps": [{"action": "overwrite_file", "path": "/app/solution.py",
+                                                "content": "def f(x):\n<model_generated_code>"},
+                                               {"action": "check_calls", "entry_point": "f"}],
+                           "tests": [{"args": "[1]", "expected": str(1 + k)}, {"args": "[5]", "expected": str(5 + k)}]})
+
+    lines = [line(task_id, prompt, k, "heldout") for k, (task_id, prompt) in enumerate(heldout, start=1)]
+    path.write_text("\n".join([*lines, line("train", "def f(x): return two more than x\n", 2, "train")]) + "\n")
+    return path
+
+
+LONG_PROMPT = "".join(f"Note {i}: f must handle the integer {i} correctly. " for i in range(80))   # 4,000 characters
+OTHER_LONG_PROMPT = "".join(f"Case {i}: given {i}, f answers {i} plus one, never less. " for i in range(80))
+
+
+def test_a_held_out_prompt_past_the_context_is_quarantined_and_the_run_goes_on(prefect_harness, tmp_path):
+    """A task file with a held-out task whose prompt (4,000 characters) leaves the model no room to answer:
+    the nightly drops it for this run (runs/<run_id>/context/too_long.parquet, naming the token count) and
+    trains and evaluates on the rest (the engine used to refuse the whole base evaluation). The audit is
+    the model's no business: the shared audit table passes the task, with no too_long verdict."""
+    from flows.nightly import nightly
+    from ratchet.store import open_store
+
+    src = _long_prompt_source(tmp_path / "longp.jsonl", [("longp", LONG_PROMPT),
+                                                         ("short", "Write f(x) returning x plus seven, for held-out checking\n")])
+    cfg = _nightly_cfg(str(tmp_path / "store"), make_llama(tmp_path / "model"), "longp")
+    cfg = cfg.model_copy(update={"steps": 1, "checkpoint_every": 1,
+                                 "envs": cfg.envs.model_copy(update={"sources": (str(src),)})})
+    summary = nightly(cfg)
+
+    assert summary["policy_version"] == 1
+    assert all(not c.get("too_long") for c in summary["audits"])
+    store = open_store(str(tmp_path / "store"))
+    version = summary["sources"][0]["version"]
+    audited = store.read_table(f"envs/imported-longp/{version}/audit.parquet")
+    assert "too_long" not in audited["verdict"].to_list()
+    assert audited.filter(audited["task_id"] == "imported-longp/longp")["verdict"].to_list() == ["pass"]
+    assert not store.exists(f"envs/imported-longp/{version}/quarantine.parquet") or \
+        store.read_table(f"envs/imported-longp/{version}/quarantine.parquet").height == 0
+    assert summary["too_long"]["tasks"] == 1
+    quarantine = store.read_table(summary["too_long"]["quarantine"][len(store.root_uri) + 1:])
+    assert summary["too_long"]["quarantine"].endswith("runs/longp/context/too_long.parquet")
+    assert quarantine.select("task_id", "family", "split").rows() == [("imported-longp/longp", "imported-longp", "heldout")]
+    tokens = quarantine["prompt_tokens"][0]
+    assert tokens + 12 > CONTEXT
+    assert quarantine["reason"][0] == f"prompt is {tokens} tokens + max_new_tokens 12, over the model's context of {CONTEXT} tokens"
+    for stage in ("base", "final"):
+        evaluated = set(store.read_table(summary[stage]["eval"][len(store.root_uri) + 1:])["task_id"])
+        assert "imported-longp/short" in evaluated and "imported-longp/longp" not in evaluated
+
+
+def test_a_source_left_without_held_out_tasks_stops_the_run_naming_it(prefect_harness, tmp_path):
+    """Every held-out prompt of a source past the context: the run stops before anything samples, with one
+    error naming the source and why (not the task-table gate's report on an empty table)."""
+    from flows.nightly import nightly
+    from ratchet.room import NoTasksLeft
+    from ratchet.store import open_store
+
+    src = _long_prompt_source(tmp_path / "allong.jsonl", [("longp", LONG_PROMPT), ("longq", OTHER_LONG_PROMPT)])
+    cfg = _nightly_cfg(str(tmp_path / "store"), make_llama(tmp_path / "model"), "allong")
+    cfg = cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"sources": (str(src),)})})
+    with pytest.raises(NoTasksLeft, match=r"source imported-allong \S+: no held-out task left for this run's model: "
+                                          r"all 2 of its held-out task\(s\) have prompts that leave no room for "
+                                          rf"rollout.max_new_tokens 12 in the model's context of {CONTEXT} tokens"):
+        nightly(cfg)
+    store = open_store(str(tmp_path / "store"))
+    assert store.read_table("runs/allong/context/too_long.parquet").height == 2
+    assert not store.list("runs/allong/eval/")
