@@ -96,7 +96,8 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
 
         final = evaluate(policy, heldout, cfg)
         incumbent = evaluate_incumbent(heldout, cfg)
-        decision = promote(policy, final, base if incumbent is None else incumbent, cfg)   # paired, beyond noise
+        decision = promote(policy, final, base if incumbent is None else incumbent, cfg,   # paired, beyond noise
+                           "the base model" if incumbent is None else "the incumbent")
 
     return write_summary(run_id, {
         "run_id": run_id,

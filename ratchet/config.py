@@ -373,7 +373,7 @@ class EvalConfig(Frozen):
     )
     confidence: float = Field(
         0.95, gt=0.5, lt=1, description="Confidence of the paired test behind promotion: paired bootstrap interval over "
-        "tasks, and McNemar's exact test at p below 1 - confidence."
+        "tasks, and an exact sign test over tasks (McNemar's at one sample per task) at p below 1 - confidence."
     )
     every: int = Field(0, ge=0, le=100_000, description="Also evaluate every N waves during training (0: only at the end).")
 

@@ -60,10 +60,12 @@ def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None, cfg: NightlyConfig) -> dict:
+def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None, cfg: NightlyConfig,
+            against: str = "the incumbent") -> dict:
     """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent beyond
-    noise (`ratchet.eval.should_promote`). candidate / incumbent: `evaluate` results of each."""
-    d = should_promote(candidate["results"], incumbent["results"] if incumbent else None, cfg.eval)
+    noise (`ratchet.eval.should_promote`). candidate / incumbent: `evaluate` results of each
+    (`against`: what the incumbent side is, for the reason: the base model before any promotion)."""
+    d = should_promote(candidate["results"], incumbent["results"] if incumbent else None, cfg.eval, against)
     get_run_logger().info("promotion: %s", d.reason)
     if d.promote and policy.checkpoint is not None:
         open_store(cfg.store).set_pointer(INCUMBENT, policy.checkpoint)

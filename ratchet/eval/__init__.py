@@ -115,8 +115,9 @@ class EvalResult:
         if self.turns > 1:
             from ratchet.agent import episode_metrics
 
-            out["turns"] = episode_metrics([[{**t, "env_error": e} for t in turns] for turns, e
-                                            in self.rows.select("turns", "env_error").iter_rows()], self.turns)
+            bad = set(self.rows.filter(pl.col("env_error"))["task_id"])   # per_task's: a task with any env_error is out
+            out["turns"] = episode_metrics([[{**t, "env_error": task in bad} for t in turns] for turns, task
+                                            in self.rows.select("turns", "task_id").iter_rows()], self.turns)
         return out
 
 
@@ -174,14 +175,16 @@ def _samples(results: dict[str, list[bool] | bool | None]) -> dict[str, list[boo
 
 
 def should_promote(candidate: dict[str, list[bool] | bool | None], incumbent: dict[str, list[bool] | bool | None] | None,
-                   cfg: EvalConfig = EvalConfig()) -> PromotionDecision:
+                   cfg: EvalConfig = EvalConfig(), against: str = "the incumbent") -> PromotionDecision:
     """The promotion rule: candidate and incumbent judged on the same held-out tasks, paired.
 
     candidate / incumbent: {task_id: [passed per sample]} (a bool: one sample; None: that task's
     verification was an env_error; a task is compared only where both have a verdict). Promote only
     when the lower bound of the `cfg.confidence` interval of the pass-rate gain exceeds
-    `cfg.min_gain` and (one sample per task) McNemar's exact test agrees: `ratchet.eval.stats.decide`.
-    No incumbent: promote.
+    `cfg.min_gain` and the exact sign test over tasks (McNemar's, one sample per task) agrees:
+    `ratchet.eval.stats.decide`. No incumbent: promote. No task with a verdict on both sides: keep the
+    incumbent (nothing says the candidate is better). `against` names the other side in the reason
+    (the nightly compares with the base model when there is no incumbent yet).
     """
     cand = _samples(candidate)
     if incumbent is None:
@@ -189,5 +192,8 @@ def should_promote(candidate: dict[str, list[bool] | bool | None], incumbent: di
     inc = _samples(incumbent)
     tasks = [t for t in cand if t in inc]
     if not tasks:
-        raise ValueError("should_promote: candidate and incumbent share no task with a verdict")
-    return decide([cand[t] for t in tasks], [inc[t] for t in tasks], confidence=cfg.confidence, min_gain=cfg.min_gain)
+        return PromotionDecision(False, 0.0, 0.0, 0.0, "no shared task", None,
+                                 f"Keep {against}: the two share no held-out task with a verdict ({len(cand)} tasks "
+                                 f"with one for the candidate, {len(inc)} for {against}).")
+    return decide([cand[t] for t in tasks], [inc[t] for t in tasks], confidence=cfg.confidence, min_gain=cfg.min_gain,
+                  against=against)

@@ -52,13 +52,14 @@ def vertical_table(columns: dict[str, dict | None], confidence: float = 0.95) ->
 
 
 def pass_rates_by_source(evals: dict[str, dict | None]) -> dict[str, dict]:
-    """{source: {"n_tasks", "<column>": pass@1, "<column>_ci": [lo, hi]}} from evaluation records
-    (`EvalResult.summary()`, its `tables["source"]`), one column per record (base, final, ...)."""
+    """{source: {"<column>": pass@1, "<column>_ci": [lo, hi], "<column>_n_tasks": n}} from evaluation
+    records (`EvalResult.summary()`, its `tables["source"]`), one column per record (base, final, ...);
+    each column its own task count (an env_error leaves a task out of one column, not the others)."""
     out: dict[str, dict] = {}
     for column, record in evals.items():
         if record is None:
             continue
         for row in record["tables"]["source"]:
-            entry = out.setdefault(str(row["source"]), {"n_tasks": row["n_tasks"]})
-            entry[column], entry[f"{column}_ci"] = row["pass_at_1"], row["ci"]
+            entry = out.setdefault(str(row["source"]), {})
+            entry[column], entry[f"{column}_ci"], entry[f"{column}_n_tasks"] = row["pass_at_1"], row["ci"], row["n_tasks"]
     return dict(sorted(out.items()))

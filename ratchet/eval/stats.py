@@ -18,8 +18,11 @@ What it computes:
   Pairing removes the between-task variance both models share; resampling whole tasks keeps the
   k samples of one task together (Miller 2024, "Adding Error Bars to Evals", arXiv:2411.00640).
   The percentile interval is somewhat too narrow for a few dozen tasks or fewer.
-- `mcnemar`: the exact (binomial) two-sided McNemar test (McNemar 1947, Psychometrika 12:153),
-  for one sample per task; it uses only the discordant tasks. No scipy: `math.comb`.
+- `sign_test`: the exact (binomial) two-sided sign test over tasks on the per-task pass rates; it
+  uses only the tasks whose rates differ. With one sample per task it is McNemar's exact test
+  (McNemar 1947, Psychometrika 12:153; `mcnemar`). It is what keeps a few tasks from promoting: with
+  k samples all on one side, the bootstrap interval of three tasks has no width at all, while the
+  sign test gives p = 0.25. No scipy: `math.comb`.
 
 Pure Python, no dependencies. Tests: `pytest tests/eval -q`.
 """
@@ -104,16 +107,23 @@ class McNemar(NamedTuple):
 
 
 def mcnemar(candidate: Sequence[bool], incumbent: Sequence[bool]) -> McNemar:
-    """Exact two-sided McNemar test on paired pass/fail results (one sample per task).
+    """Exact two-sided McNemar test on paired pass/fail results (one sample per task): the sign test
+    on 0/1 outcomes."""
+    return sign_test([float(bool(x)) for x in candidate], [float(bool(y)) for y in incumbent])
 
-    p = min(1, 2 * sum_{i <= min(b, c)} C(b+c, i) / 2^(b+c)); p = 1 when there are no discordant
-    tasks. Integer arithmetic until the final (correctly rounded) division.
+
+def sign_test(candidate: Sequence[float], incumbent: Sequence[float]) -> McNemar:
+    """Exact two-sided sign test on paired per-task pass rates: b tasks where the candidate's rate is
+    higher, c where it is lower, ties left out.
+
+    p = min(1, 2 * sum_{i <= min(b, c)} C(b+c, i) / 2^(b+c)); p = 1 when no task differs.
+    Integer arithmetic until the final (correctly rounded) division.
     """
     if len(candidate) != len(incumbent):
-        raise ValueError(f"mcnemar: candidate has {len(candidate)} tasks but incumbent has "
+        raise ValueError(f"sign test: candidate has {len(candidate)} tasks but incumbent has "
                          f"{len(incumbent)}; both must cover the same tasks in the same order")
-    b = sum(1 for x, y in zip(candidate, incumbent) if x and not y)
-    c = sum(1 for x, y in zip(candidate, incumbent) if y and not x)
+    b = sum(1 for x, y in zip(candidate, incumbent) if x > y)
+    c = sum(1 for x, y in zip(candidate, incumbent) if x < y)
     n = b + c
     tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
     return McNemar(b, c, min(1.0, 2 * tail / 2**n))
@@ -126,19 +136,22 @@ class PromotionDecision:
     #                  with no incumbent, the candidate's own mean pass rate
     ci_low: float  # lower bound of the `confidence` percentile bootstrap CI of `estimate`
     ci_high: float  # upper bound of that CI
-    method: str  # "paired bootstrap", "paired bootstrap + exact McNemar", or "no incumbent"
-    p_value: float | None  # exact McNemar p-value when used (k=1, method="auto"), else None
+    method: str  # "paired bootstrap + exact McNemar" (k = 1), "... + exact sign test" (k > 1), "paired
+    #              bootstrap" (method="bootstrap"), or "no incumbent"
+    p_value: float | None  # the exact test's p-value when used (method="auto"), else None
     reason: str  # one human sentence with the figures
 
 
 def decide(candidate: Sequence[Sequence[bool]], incumbent: Sequence[Sequence[bool]] | None, *,
            confidence: float = 0.95, min_gain: float = 0.0, method: str = "auto",
-           seed: int = 0) -> PromotionDecision:
+           seed: int = 0, against: str = "the incumbent") -> PromotionDecision:
     """Promote only if the CI lower bound of mean(candidate - incumbent) exceeds `min_gain`.
 
     candidate, incumbent: [n_tasks][k] per-sample pass/fail, same tasks in the same order.
-    With k = 1 and method="auto", McNemar's exact p must also be below 1 - confidence.
-    min_gain is a fraction (0.02 = 2 points). incumbent=None promotes (nothing to beat).
+    With method="auto", the exact sign test's p over tasks (McNemar's at k = 1) must also be below
+    1 - confidence.
+    min_gain is a fraction (0.02 = 2 points). incumbent=None promotes (nothing to beat). `against`
+    names the incumbent side in the reason ("the base model").
     """
     if method not in METHODS:
         raise ValueError(f"decide: method must be one of {METHODS}, got {method!r}")
@@ -153,13 +166,13 @@ def decide(candidate: Sequence[Sequence[bool]], incumbent: Sequence[Sequence[boo
     _check_same_shape(candidate, incumbent, k)
     inc_rates = [sum(map(bool, row)) / k for row in incumbent]  # [n_tasks]
     est, lo, hi = paired_bootstrap(cand_rates, inc_rates, seed=seed, confidence=confidence)
-    test = mcnemar([r[0] for r in candidate], [r[0] for r in incumbent]) if k == 1 and method == "auto" else None
+    test = sign_test(cand_rates, inc_rates) if method == "auto" else None
     ci_ok, p_ok = lo > min_gain, test is None or test.p_value < 1.0 - confidence
     promote = ci_ok and p_ok
-    name = "paired bootstrap + exact McNemar" if test else "paired bootstrap"
+    name = "paired bootstrap" + (f" + {_test_name(k)}" if test else "")
     return PromotionDecision(promote, est, lo, hi, name, test.p_value if test else None,
                              _reason(promote, est, lo, hi, name, len(cand_rates), k, test, ci_ok, p_ok,
-                                     min_gain, confidence))
+                                     min_gain, confidence, against))
 
 
 def _samples_per_task(results: Sequence[Sequence[bool]], who: str) -> int:
@@ -186,22 +199,27 @@ def _check_same_shape(candidate: Sequence[Sequence[bool]], incumbent: Sequence[S
                          f"compare checkpoints under the same protocol")
 
 
+def _test_name(k: int) -> str:
+    return "exact McNemar" if k == 1 else "exact sign test"
+
+
 def _pts(x: float, sign: bool = False) -> str:
     """A fraction as percentage points, e.g. 0.2 -> '20.0' ('+20.0' with sign)."""
     return f"{100 * x:+.1f}" if sign else f"{100 * x:.1f}"
 
 
 def _reason(promote: bool, est: float, lo: float, hi: float, name: str, n: int, k: int,
-            test: McNemar | None, ci_ok: bool, p_ok: bool, min_gain: float, confidence: float) -> str:
+            test: McNemar | None, ci_ok: bool, p_ok: bool, min_gain: float, confidence: float,
+            against: str = "the incumbent") -> str:
     """One sentence: the verdict, the figures, and the condition(s) that decided it."""
     samples = f"{k} sample{'s' if k > 1 else ''}"
-    figures = (f"candidate is {_pts(est, True)} points vs the incumbent ({confidence:.0%} CI {_pts(lo, True)} "
+    figures = (f"candidate is {_pts(est, True)} points vs {against} ({confidence:.0%} CI {_pts(lo, True)} "
                f"to {_pts(hi, True)}, paired bootstrap over {n} tasks x {samples}")
     if test:
-        figures += f"; exact McNemar p={test.p_value:.3g}, b={test.b}, c={test.c}"
+        figures += f"; {_test_name(k)} p={test.p_value:.3g}, b={test.b}, c={test.c}"
     ci = (f"the CI lower bound {'exceeds' if ci_ok else 'does not exceed'} the required gain of "
           f"{_pts(min_gain, True)} points")
     p = f"p {'<' if p_ok else 'is not below'} {1 - confidence:.3g}" if test else ""
     # promoted: every condition held, say them all; kept: say only the ones that failed
     why = [w for w, ok in ((ci, ci_ok), (p, p_ok)) if w and (promote or not ok)]
-    return f"{'Promote' if promote else 'Keep the incumbent'}: {figures}); {' and '.join(why)}."
+    return f"{'Promote' if promote else 'Keep ' + against}: {figures}); {' and '.join(why)}."

@@ -221,5 +221,10 @@ def test_interleave_and_pass_rates_by_source():
     final = record([{"source": "imported-x", "n_tasks": 2, "pass_at_1": 1.0, "ci": [1.0, 1.0]},
                     {"source": "python_functions", "n_tasks": 6, "pass_at_1": 0.5, "ci": [0.2, 0.8]}])
     assert pass_rates_by_source({"base": base, "final": final, "incumbent": None}) == {
-        "imported-x": {"n_tasks": 2, "base": 0.0, "base_ci": [0.0, 0.0], "final": 1.0, "final_ci": [1.0, 1.0]},
-        "python_functions": {"n_tasks": 6, "base": 0.5, "base_ci": [0.1, 0.9], "final": 0.5, "final_ci": [0.2, 0.8]}}
+        "imported-x": {"base": 0.0, "base_ci": [0.0, 0.0], "base_n_tasks": 2,
+                       "final": 1.0, "final_ci": [1.0, 1.0], "final_n_tasks": 2},
+        "python_functions": {"base": 0.5, "base_ci": [0.1, 0.9], "base_n_tasks": 6,
+                             "final": 0.5, "final_ci": [0.2, 0.8], "final_n_tasks": 6}}
+    # an env_error left a task out of one column: each column says how many tasks its figure is over
+    fewer = record([{"source": "imported-x", "n_tasks": 1, "pass_at_1": 1.0, "ci": [1.0, 1.0]}])
+    assert pass_rates_by_source({"base": base, "final": fewer})["imported-x"]["final_n_tasks"] == 1

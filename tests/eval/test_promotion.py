@@ -35,6 +35,17 @@ def test_tasks_without_a_verdict_on_either_side_are_left_out():
     assert "298 tasks" in d.reason and d.promote
 
 
+def test_no_shared_task_keeps_the_incumbent_and_names_the_other_side():
+    """Every candidate task an env_error: nothing says it is better, and the run goes on (it used to raise)."""
+    cand = {f"t{i}": None for i in range(5)}
+    d = should_promote(cand, _solved(range(3), n=5), EvalConfig(), against="the base model")
+    assert not d.promote and d.method == "no shared task"
+    assert d.reason == ("Keep the base model: the two share no held-out task with a verdict (0 tasks with one for "
+                        "the candidate, 5 for the base model).")
+    d = should_promote(_solved(range(120)), _solved(range(60)), EvalConfig(), against="the base model")
+    assert d.promote and "points vs the base model" in d.reason
+
+
 class _Engine:
     """Answers each prompt with a fixed completion, as a policy would, greedily."""
 

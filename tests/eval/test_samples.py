@@ -72,6 +72,25 @@ def test_a_task_with_an_env_error_on_any_sample_leaves_every_denominator():
     assert result.pass_rate == 0.5 and result.summary()["tables"]["family"][0]["n_tasks"] == 1
 
 
+def test_k_turn_figures_leave_out_the_tasks_pass_at_1_leaves_out():
+    """A task with an env_error on any sample is out of pass@1; the K-turn figures (pass_turn1, pass_last) of the
+    same evaluation drop the whole task too, not only its failed episode, so pass_last at k samples is pass@1."""
+    import polars as pl
+    from ratchet.eval import EvalResult
+
+    turn = lambda passed: {"passed": passed, "action_tokens": 4, "observation_tokens": 3}  # noqa: E731
+    rows = pl.DataFrame([
+        {"task_id": "t0", "sample": 0, "env_error": False, "passed": True, "turns": [turn(True)]},
+        {"task_id": "t0", "sample": 1, "env_error": True, "passed": False, "turns": [turn(False)]},
+        {"task_id": "t1", "sample": 0, "env_error": False, "passed": False, "turns": [turn(False), turn(False)]},
+        {"task_id": "t1", "sample": 1, "env_error": False, "passed": True, "turns": [turn(False), turn(True)]},
+    ]).with_columns(family=pl.lit("a"), source=pl.lit("a"), difficulty=pl.lit(1), completion=pl.lit(""))
+    s = EvalResult(rows, samples=2, turns=2).summary()
+    assert s["pass_rate"] == 0.5 and s["n_tasks"] == 1
+    assert s["turns"]["episodes"] == 2 and s["turns"]["env_errors"] == 2
+    assert s["turns"]["pass_turn1"] == 0.0 and s["turns"]["pass_last"] == s["pass_rate"]
+
+
 def test_one_sample_is_greedy():
     spec = _task(1, "a", 1)
     engine = _Engine({spec.prompt: [RIGHT(1)]})
@@ -106,6 +125,6 @@ def test_the_vertical_table_lines_up_base_candidate_incumbent_per_family():
 def test_should_promote_on_k_samples(cand, inc, promote):
     ids = [f"t{i}" for i in range(len(cand))]
     d = should_promote(dict(zip(ids, cand)), dict(zip(ids, inc)), EvalConfig())
-    assert d.promote is promote and d.method == "paired bootstrap" and d.p_value is None
+    assert d.promote is promote and d.method == "paired bootstrap + exact sign test" and d.p_value is not None
     assert "x 4 samples" in d.reason
     assert math.isclose(d.estimate, sum(sum(c) - sum(i) for c, i in zip(cand, inc)) / 4 / len(cand))

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from ratchet.eval.stats import PromotionDecision, decide, mcnemar, paired_bootstrap, pass_at_k
+from ratchet.eval.stats import PromotionDecision, decide, mcnemar, paired_bootstrap, pass_at_k, sign_test
 
 
 def solved(n_tasks: int, which) -> list[list[bool]]:
@@ -186,14 +186,31 @@ def test_min_gain_raises_the_bar():
     assert not d.promote and "+18.0 points" in d.reason
 
 
-def test_several_samples_per_task_use_per_task_rates_and_no_mcnemar():
-    # k=2: candidate rates [1, 0.5, 0.5, 0] x 50, incumbent [0.5, 0.5, 0, 0] x 50 -> mean difference 0.25
+def test_several_samples_per_task_use_per_task_rates_and_the_sign_test():
+    # k=2: candidate rates [1, 0.5, 0.5, 0] x 50, incumbent [0.5, 0.5, 0, 0] x 50 -> mean difference 0.25;
+    # 100 tasks higher, none lower: sign test p = 2 / 2^100
     cand = [[True, True], [True, False], [False, True], [False, False]] * 50
     inc = [[True, False], [False, True], [False, False], [False, False]] * 50
     d = decide(cand, inc)
     assert d.estimate == pytest.approx(0.25)
-    assert d.p_value is None and d.method == "paired bootstrap"
-    assert d.promote and "x 2 samples" in d.reason
+    assert d.p_value == pytest.approx(2 / 2**100) and d.method == "paired bootstrap + exact sign test"
+    assert d.promote and "x 2 samples" in d.reason and "exact sign test p=" in d.reason and "b=100, c=0" in d.reason
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_a_few_tasks_do_not_promote_with_several_samples(n):
+    """k = 8, each task 1/8 against 0/8: every resample gives +12.5, so the bootstrap interval has no width
+    and its lower bound clears 0 on one task; the sign test over tasks (p = 2 / 2^n) keeps the incumbent."""
+    d = decide([[True] + [False] * 7] * n, [[False] * 8] * n)
+    assert d.ci_low == pytest.approx(0.125) and d.p_value == pytest.approx(min(1.0, 2 / 2**n))
+    assert not d.promote and "p is not below 0.05" in d.reason
+    assert decide([[True] + [False] * 7] * 6, [[False] * 8] * 6).promote      # six: p = 1/32
+
+
+def test_the_sign_test_is_mcnemar_at_one_sample():
+    cand, inc = solved(40, lambda i: i % 3 == 0), solved(40, lambda i: i % 4 == 0)
+    assert sign_test([float(x[0]) for x in cand], [float(x[0]) for x in inc]) == mcnemar([x[0] for x in cand],
+                                                                                        [x[0] for x in inc])
 
 
 def test_no_incumbent_promotes_and_says_so():

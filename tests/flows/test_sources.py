@@ -109,9 +109,9 @@ def test_the_summary_reports_the_imported_source(run):
     by = summary["by_source"]
     assert set(by) == {"python_functions", "imported-mul_tasks"}, by
     mine = by["imported-mul_tasks"]
-    assert mine["n_tasks"] == 2 and 0.0 <= mine["base"] <= 1.0 and 0.0 <= mine["final"] <= 1.0
+    assert mine["base_n_tasks"] == mine["final_n_tasks"] == 2 and 0.0 <= mine["base"] <= 1.0 and 0.0 <= mine["final"] <= 1.0
     assert mine["final_ci"][0] <= mine["final"] <= mine["final_ci"][1]
-    assert by["python_functions"]["n_tasks"] == 6            # eval.n_tasks 8 = 6 + 2: each source its share
+    assert by["python_functions"]["final_n_tasks"] == 6            # eval.n_tasks 8 = 6 + 2: each source its share
     assert "| family imported-mul_tasks | " in summary["eval_table"]      # its family is its source's name
     final = {r["source"]: r for r in summary["final"]["tables"]["source"]}
     assert final["imported-mul_tasks"]["pass_at_1"] == mine["final"]
