@@ -270,7 +270,7 @@ def report_counts(data: bytes | None, fmt: str) -> tuple[dict[str, int] | None, 
         summary = doc["summary"]
         counts = {"passed": int(summary.get("passed", 0)), "failed": int(summary.get("failed", 0)),
                   "errors": int(summary.get("error", 0))}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None, True
     tests = doc.get("tests")
     if isinstance(tests, list) and all(isinstance(t, dict) for t in tests):

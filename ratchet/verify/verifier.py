@@ -207,7 +207,7 @@ def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
     try:
         ast.parse(_solution_source(spec, completion))
         return True
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):   # 3,000 nested unary minuses: RecursionError
         return False
 
 

@@ -81,6 +81,19 @@ def test_lying_objects_do_not_pass():
     assert all(score(v.metrics, RewardLogic(), CFG) == 0.0 for v in results[:-1])
 
 
+def test_an_answer_that_crashes_a_parser_fails_alone():
+    """Parsing what the answer wrote or printed must not raise out of the verifier: 3,000 nested unary minuses
+    (ast.parse: RecursionError) and a result line the answer printed itself, 20,000 brackets deep (json:
+    RecursionError), once ended verify_many for the whole batch, the honest answer's verdict with it."""
+    spec = calls_task()
+    deep = "def f(x):\n    return " + "-" * 3000 + "x\n"
+    forged = ("import os, sys\nprint('@@ratchet-harness@@\\t0\\t' + '[' * 20000 + ']' * 20000)\n"
+              "sys.stdout.flush()\nos._exit(0)\n")
+    results = verify_many([(spec, ADD_ONE), (spec, deep), (spec, forged)], LIMITS)
+    assert [v.metrics["tests_passed"] for v in results] == [6, 0, 0]
+    assert not any(v.env_error for v in results)
+
+
 # --- the completion cannot modify the tests -----------------------------------------------------------
 
 TESTS = {
