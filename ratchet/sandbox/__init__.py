@@ -25,7 +25,10 @@ Covered (zygote and bwrap backends):
   interpreter prefixes, a tiny /etc and /dev) mounted read-only; the only writable place is a
   fresh tmpfs /tmp (workdir /tmp/work, capped at 4x fsize) that dies with the run. Host
   secrets, the project tree, other runs' files are not in the tree at all. Read-only payload
-  files are root-owned 0444 in sticky dirs (zygote) or read-only bind mounts (bwrap).
+  files are 0444 in sticky 1777 dirs, both owned by a uid that is not the payload's (root on
+  zygote; the slot uid on bwrap, whose payload is root outside its namespace), and on bwrap
+  also read-only bind mounts: the payload may add files but cannot modify, remove, rename or
+  replace a read-only file or a dir that holds one.
 - Network: fresh, empty net namespace: no interface up, no DNS, no loopback to the host.
 - Processes: fresh pid namespace; the run is pid 1 (zygote) or under bwrap's init; killing it
   kills every process the run made, daemons included; the caller and worker are invisible

@@ -220,6 +220,33 @@ def test_readonly_files_stay_readonly(sb):
     assert "CHANGED" not in r.stdout and "hidden" in r.stdout, r
 
 
+def test_dirs_holding_readonly_files_cannot_be_swapped(isolating):
+    """Neither a dir of read-only files nor one that mixes them with writable ones can be renamed,
+    replaced or chmod'ed; the payload's own files stay writable (on bwrap the payload is root
+    outside its namespace: the dirs must not be root's)."""
+    r = run(isolating, """
+        import os
+        for attempt in (lambda: os.rename("tests", "tests_orig"),
+                        lambda: os.rename("pkg", "pkg2"),
+                        lambda: os.rename("tests/sub", "elsewhere"),
+                        lambda: (os.mkdir("decoy"), os.rename("decoy", "tests")),
+                        lambda: os.chmod("tests", 0o700),
+                        lambda: os.chmod(".", 0o700)):
+            try:
+                attempt()
+                print("CHANGED")
+            except OSError:
+                print("refused")
+        open("pkg/mine.py", "a").write("# edited")
+        open("solution.py", "w").write("edited")
+        print(open("tests/sub/test_hidden.py").read(), open("pkg/ro.txt").read(), open("pkg/mine.py").read())
+    """, files={"solution.py": "x = 1\n", "pkg/mine.py": "y = 2\n"},
+        readonly_files={"tests/test_a.py": "assert True\n", "tests/sub/test_hidden.py": "hidden", "pkg/ro.txt": "ro"})
+    assert r.ok, r
+    assert "CHANGED" not in r.stdout and r.stdout.count("refused") == 6, r
+    assert "hidden ro y = 2\n# edited" in r.stdout, r
+
+
 def test_signal_and_ptrace_parent(sb):
     me = os.getpid()
     r = run(sb, """

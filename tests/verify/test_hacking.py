@@ -157,6 +157,43 @@ def test_completion_cannot_rewrite_the_tests():
     assert writable_script.exit_code == 0          # check.py read the completion's expected.json
 
 
+# Runs from the command line before pytest: move the hidden tests' dir aside and put passing tests in
+# its place (a reviewer's attack on the bwrap backend, where the payload once owned the sticky dirs).
+SWAP = '''import os
+def f(x):
+    return -100
+if __name__ == "__main__":
+    try:
+        os.rename("tests", "tests_orig"); os.mkdir("tests")
+        open("tests/test_a.py", "w").write("def test_a():\\n    pass\\ndef test_b():\\n    pass\\ndef test_c():\\n    pass\\n")
+        print("SWAPPED")
+    except OSError as e:
+        print("swap refused:", e)
+'''
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "zygote"])
+def test_completion_cannot_swap_the_tests_dir(backend):
+    from ratchet.sandbox import Sandbox
+    from ratchet.sandbox.pool import available_backends
+    from ratchet.verify.verifier import metrics_from, plan
+    why = available_backends().get(backend, "unknown backend")
+    if why:
+        pytest.skip(f"backend {backend} unavailable here: {why}")
+    spec = cmd_task("python solution.py; python -m pytest -q tests/", "swap_" + backend)
+    with Sandbox(LIMITS, backend=backend, concurrency=1) as box:
+        got = {}
+        for name, completion in (("swap", SWAP), ("honest", ADD_ONE)):
+            p = plan(spec, completion, runtime_python=None)
+            r = box.run(p.payload)
+            got[name] = (r, metrics_from(spec, completion, r, p))
+    r, m = got["swap"]
+    assert "SWAPPED" not in r.stdout and "swap refused" in r.stdout, r
+    assert (m["tests_passed"], m["tests_total"]) == (0, 3), (m, r)
+    r, m = got["honest"]
+    assert (m["tests_passed"], m["tests_total"]) == (3, 3), (m, r)
+
+
 # Runs inside pytest's process: make pytest's reporter print a fake report after its real one.
 FORGE = """import os, sys
 import _pytest.terminal as terminal

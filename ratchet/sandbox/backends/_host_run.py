@@ -34,11 +34,16 @@ def set_rlimits(limits: Limits, nproc: bool) -> None:
         resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
 
 
-def write_tree(root: str, payload: Payload, uid: int) -> None:
-    """Seed `root` (the workdir): dirs root-owned 1777 (sticky: the payload may add files but
-    not remove or replace the read-only ones), writable files owned by `uid`, read-only files
-    root-owned 0444."""
-    os.chmod(root, 0o1777)
+def write_tree(root: str, payload: Payload, uid: int, owner: int = 0) -> None:
+    """Seed `root` (the workdir): dirs owned by `owner` 1777 (sticky: the payload may add files
+    but not remove or replace the read-only ones), writable files owned by `uid`, read-only files
+    owned by `owner` 0444. `owner` must never be the payload's (host) uid, or the payload owns
+    the sticky dirs and may rename them (the bwrap backend passes the slot uid: see there)."""
+    def own_dir(d: str) -> None:
+        os.chmod(d, 0o1777)
+        if owner:
+            os.chown(d, owner, owner)
+    own_dir(root)
     for rel, data, ro in payload.all_files():
         path = os.path.join(root, rel)
         parent = os.path.dirname(path)
@@ -46,15 +51,15 @@ def write_tree(root: str, payload: Payload, uid: int) -> None:
             os.makedirs(parent, exist_ok=True)
             d = parent
             while d != root:
-                os.chmod(d, 0o1777)
+                own_dir(d)
                 d = os.path.dirname(d)
         if os.path.lexists(path):
             os.unlink(path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444 if ro else 0o644)
         try:
             os.write(fd, data)
-            if not ro:
-                os.fchown(fd, uid, uid)
+            if not ro or owner:
+                os.fchown(fd, owner if ro else uid, owner if ro else uid)
         finally:
             os.close(fd)
 
@@ -102,6 +107,11 @@ class HostRunSlot:
             return argv, minimal_env(workdir, os.path.join(base, "tmp"), payload)
         return [python, *argv[1:]], minimal_env(workdir, os.path.join(base, "tmp"), payload)
 
+    def tree_owners(self) -> tuple[int, int]:
+        """(uid of the payload's writable files, owner of the dirs and read-only files): the
+        payload runs as the first and must never be the second."""
+        return self.uid, 0
+
     def python_for(self, payload: Payload) -> tuple[str, bool]:
         """(interpreter, drop_uid): as root, an interpreter the slot uid cannot reach (under a
         0700 home) runs as root instead, still in its session, rlimits and cgroup."""
@@ -147,7 +157,7 @@ class HostRunSlot:
         os.mkdir(workdir)
         os.mkdir(tmp, 0o1777)
         os.chmod(tmp, 0o1777)
-        write_tree(workdir, payload, self.uid)
+        write_tree(workdir, payload, *self.tree_owners())
         if payload.code is not None:
             with open(os.path.join(base, "main.py"), "w", encoding="utf-8") as f:
                 f.write(payload.code)

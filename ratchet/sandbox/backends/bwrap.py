@@ -3,10 +3,17 @@
 Fresh user, pid, mount, net, ipc, uts (and cgroup) namespaces; a tmpfs /tmp with the run's
 workdir bound at /tmp/work; read-only binds of /usr and the interpreter's prefixes; bwrap's
 minimal /dev and its own /proc for the run's pid namespace; no network; every capability
-dropped; bwrap's init as pid 1 (killing it ends the run). Read-only payload files are
-read-only bind mounts. bwrap runs as root here (it must reach interpreters under a 0700
-home), so the payload's uid maps to root outside the namespace: RLIMIT_NPROC cannot bound
-it, and the slot's pids cgroup does (where writable)."""
+dropped; bwrap's init as pid 1 (killing it ends the run). bwrap runs as root here (it must
+reach interpreters under a 0700 home), so the payload's uid maps to root outside the
+namespace: RLIMIT_NPROC cannot bound it, and the slot's pids cgroup does (where writable).
+
+Read-only payload files are read-only bind mounts, and the payload owns neither them nor the
+sticky 1777 dirs that hold them: those belong to the slot's uid (never the payload's, which
+is root outside), the payload's own writable files to root. As on the zygote backend, the
+payload may add files anywhere in the tree but cannot modify, remove, rename or replace a
+read-only file or a dir that holds one (the sticky bit; no capability overrides it: the
+slot uid is not even mapped in the namespace). Were the dirs root's, the payload would own
+them and could rename `tests/` away and put its own in its place."""
 from __future__ import annotations
 
 import os
@@ -24,6 +31,9 @@ class BwrapSlot(HostRunSlot):
     # later, so back-to-back bwrap runs pile up stale charges: allow for them.
     pids_slack = 64
     check_members = False  # bwrap's own init may still be exiting when the outer bwrap is reaped
+
+    def tree_owners(self) -> tuple[int, int]:
+        return 0, self.uid   # the payload is root outside the namespace: see the docstring
 
     def spawn_argv(self, payload: Payload, base: str, workdir: str, ev_fd: int) -> tuple[list[str], dict]:
         python = payload.python or host.host_python()
