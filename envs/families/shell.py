@@ -5,11 +5,13 @@
     2. Move 'data/a.log' to 'out/a.log'.
     3. Write the number of .txt files directly inside 'data' to 'count.txt'.
 
-The completion is written to solution.sh; a hidden, read-only acceptance script (check.py)
-runs it with /bin/sh in the task's directory, then checks the final state: every expected
-file with its exact content (trailing newlines ignored), every removed path gone. It exits
-0 only when the whole state is right. Difficulty = number of steps (1..5); the expected state
-comes from simulating the steps here, never from running a script.
+The completion is written to solution.sh and judged by one check_calls call: `observe(files,
+absent, dirs)` (check.py, the `CHECK` below) runs it with /bin/sh in the task's directory, then
+returns the state of the paths it is given (each expected file's content, trailing newlines
+ignored; whether each removed path still exists; whether each directory is one). The verifier
+compares that state with the expected one outside the sandbox, so the expected state never
+enters it: a script cannot read the answer off a hidden file. Difficulty = number of steps
+(1..5); the expected state comes from simulating the steps here, never from running a script.
 """
 
 from __future__ import annotations
@@ -21,29 +23,26 @@ import random
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.registry import register_family
-from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
+from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
 
-CHECK = '''import json, os, subprocess, sys
-EXPECT = json.loads(EXPECT_)
-try:
-    subprocess.run(["/bin/sh", "solution.sh"], timeout=TIMEOUT_, stdin=subprocess.DEVNULL)
-except subprocess.TimeoutExpired:
-    print("solution.sh timed out"); sys.exit(1)
-bad = []
-for path, content in EXPECT["files"].items():
-    try:
-        with open(path) as f:
-            got = f.read()
-    except OSError:
-        bad.append("missing " + path); continue
-    if got.rstrip("\\n") != content.rstrip("\\n"):
-        bad.append("wrong content in " + path)
-bad += ["still exists: " + p for p in EXPECT["absent"] if os.path.lexists(p)]
-bad += ["not a directory: " + d for d in EXPECT["dirs"] if not os.path.isdir(d)]
-total = len(EXPECT["files"]) + len(EXPECT["absent"]) + len(EXPECT["dirs"])
-print("\\n".join(bad)); print("%d passed, %d failed" % (total - len(bad), len(bad)))
-sys.exit(1 if bad else 0)
+CHECK = '''import os, subprocess
+
+
+def observe(files, absent, dirs):
+    """Run solution.sh, then report (never judge) the state of the given paths."""
+    subprocess.run(["/bin/sh", "solution.sh"], timeout=TIMEOUT_, stdin=subprocess.DEVNULL, stdout=2)
+
+    def content(path):
+        try:
+            with open(path, errors="replace") as f:
+                return f.read().rstrip("\\n")
+        except OSError:
+            return None
+    return ([[p, content(p)] for p in files] + [[p, os.path.lexists(p)] for p in absent]
+            + [[d, os.path.isdir(d)] for d in dirs])
 '''
+"""check.py: the entry point `observe` of the task's one check_calls call. It knows which paths to look
+at (the call's args), not what they should hold: the expected state stays in `TaskSpec.tests`."""
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "omega", "kappa", "sigma")
 _EXTS = ("txt", "log", "csv")
@@ -124,15 +123,16 @@ def generate(cfg: Config, seed: int, index: int, difficulty: int, split: str) ->
     listing = ", ".join(sorted(start))
     prompt = ("Write a POSIX shell script, run with /bin/sh in the task's directory, that does the following.\n"
               f"Starting files: {listing}\n" + "".join(f"{i}. {s}\n" for i, s in enumerate(steps, 1)))
-    expect = {"files": {p: c for p, c in sorted(fs.items())},
-              "absent": sorted(set(start) - set(fs)), "dirs": sorted(dirs)}
-    check = CHECK.replace("EXPECT_", repr(json.dumps(expect))).replace("TIMEOUT_", repr(cfg.script_timeout_s))
+    files, absent, dirs = sorted(fs), sorted(set(start) - set(fs)), sorted(dirs)
+    state = [[f, fs[f].rstrip("\n")] for f in files] + [[a, False] for a in absent] + [[d, True] for d in dirs]
+    check = CHECK.replace("TIMEOUT_", repr(cfg.script_timeout_s))
     digest = hashlib.sha256(f"{prompt}|{seed}|{index}".encode()).hexdigest()[:12]
     return TaskSpec(
         task_id=f"sh-{split}-{difficulty}-{digest}", family="shell", difficulty=difficulty, split=split,
         prompt=prompt,
-        execution_steps=(OverwriteFile(path="/app/solution.sh", content=COMPLETION), RunCommand(command="python check.py")),
-        files=start, test_files={"check.py": check},
+        execution_steps=(OverwriteFile(path="/app/solution.sh", content=COMPLETION),
+                         OverwriteFile(path="/app/check.py", content=check), CheckCalls(entry_point="observe")),
+        files=start, tests=(CallTest(args=json.dumps([files, absent, dirs]), expected=json.dumps(state)),),
         reference_solution="".join(line + "\n" for line in lines),
         metadata={"steps": len(steps)},
     )

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.runtime import resolve
-from envs.spec import (NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand, SpecError,
-                        TaskSpec, judge_step, tolerance_of)
+from envs.spec import (COMPLETION, NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand,
+                        SpecError, TaskSpec, judge_step, tolerance_of)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -202,8 +202,13 @@ def build_payload(spec: TaskSpec, completion: str, runtime_python: RuntimePython
 
 
 def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
+    """The completion is non-empty and, written into a .py file (or no file), parses as Python; an
+    answer written to another file (the shell family's solution.sh) is not Python to parse."""
     if is_empty(completion):
         return False
+    own = next((s for s in spec.execution_steps if isinstance(s, OverwriteFile) and COMPLETION in s.content), None)
+    if own is not None and not own.path.endswith(".py"):
+        return True
     try:
         ast.parse(_solution_source(spec, completion))
         return True

@@ -15,7 +15,7 @@ from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.guards import hidden_test_leaks, special_cased
 from ratchet.verify.commands import pytest_counts
-from ratchet.verify.verifier import build_payload
+from ratchet.verify.verifier import build_payload, canonical
 from ratchet.sandbox import Payload, run_many
 
 CFG = RewardConfig()
@@ -194,6 +194,58 @@ def test_completion_cannot_swap_the_tests_dir(backend):
     assert (m["tests_passed"], m["tests_total"]) == (3, 3), (m, r)
 
 
+# A shell script that reads the expected state off whatever the sandbox holds: the reviewer's attack on the
+# old shell family (check.py held `EXPECT = json.loads(...)`), and a broader one that takes any JSON state
+# it finds in a readable file of the workdir.
+READ_EXPECT = r"""python3 - <<'PY'
+import ast, json, os, re
+def state_of(text):
+    m = re.search(r"EXPECT = json.loads\((.*)\)\n", text)
+    if m:
+        return json.loads(ast.literal_eval(m.group(1)))
+    for blob in re.findall(r"\{.*\}|\[\[.*\]\]", text):
+        try:
+            e = json.loads(blob)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and "files" in e:
+            return e
+        if isinstance(e, list):
+            return {"files": {p: v for p, v in e if isinstance(v, str)}, "absent": [p for p, v in e if v is False],
+                    "dirs": [p for p, v in e if v is True]}
+for root, _, names in os.walk("."):
+    for name in names:
+        try:
+            e = state_of(open(os.path.join(root, name)).read())
+        except (OSError, UnicodeDecodeError):
+            continue
+        if e:
+            for p in e["absent"]:
+                if os.path.lexists(p): os.remove(p)
+            for d in e["dirs"]: os.makedirs(d, exist_ok=True)
+            for p, c in e["files"].items():
+                if os.path.dirname(p): os.makedirs(os.path.dirname(p), exist_ok=True)
+                open(p, "w").write(c)
+PY
+"""
+
+
+def test_shell_tasks_keep_the_expected_state_out_of_the_sandbox():
+    from envs.families import shell
+
+    specs = [shell.generate(shell.Config(), seed=0, index=i, difficulty=d, split=split)
+             for d in range(1, 6) for i, split in enumerate(("train", "heldout"))]
+    runs = verify_many([(s, READ_EXPECT) for s in specs] + [(s, s.reference_solution) for s in specs], LIMITS)
+    attacks, references = runs[:len(specs)], runs[len(specs):]
+    assert [r.passed for r in references] == [True] * len(specs), [r.feedback for r in references]
+    assert [r.metrics["test_pass_rate"] for r in attacks] == [0.0] * len(specs)
+    for spec in specs:      # nothing the sandbox is given holds the expected state
+        p = build_payload(spec, READ_EXPECT)
+        given = [p.code or "", *p.files.values(), *p.readonly_files.values(), *p.argv, *p.program, *p.env.values()]
+        expected = [x for t in spec.tests for x in (t.expected, canonical(t.expected), repr(t.expected))]
+        assert spec.tests and not [x for x in expected for g in given if x in g]
+
+
 # Runs inside pytest's process: make pytest's reporter print a fake report after its real one.
 FORGE = """import os, sys
 import _pytest.terminal as terminal
@@ -360,3 +412,14 @@ def test_run_command_pytest_still_compares_inside_the_candidates_process():
     liar = "class A:\n    def __eq__(self, o): return True\ndef f(x):\n    return A()\n"
     [v] = verify_many([(cmd_task("pytest -q tests/", "liar_pytest"), liar)], LIMITS)
     assert v.metrics["tests_passed"] == 3
+
+
+def test_syntax_ok_judges_the_answers_own_file():
+    """A shell answer is not Python: its syntax_ok is not ast.parse of solution.sh (false for nearly every
+    script) nor of check.py (the first .py file, true for any answer); a Python answer still must parse."""
+    from envs.families.shell import Config as ShellConfig, generate as shell_task
+    from ratchet.verify.verifier import _syntax_ok
+
+    sh = shell_task(ShellConfig(), 0, 0, 1, "train")
+    assert _syntax_ok(sh, "mv a b\n") and not _syntax_ok(sh, "   \n")
+    assert _syntax_ok(calls_task(), ADD_ONE) and not _syntax_ok(calls_task(), "def f(x):\n    return (\n")
