@@ -32,7 +32,7 @@ import textwrap
 from typing import Callable
 
 from envs.registry import Family, get_family
-from envs.spec import COMPLETION, NEVER_RAN, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, NEVER_RAN, CheckCalls, TaskSpec
 
 REVISE = "Revise your answer.\n"
 MAX_FAILED_SHOWN = 5      # failed tests listed in an observation (the rest are counted)
@@ -87,9 +87,9 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
 
 
 def _never_ran(spec: TaskSpec, failed: list[dict], metrics: dict | None) -> bool:
-    """A Python answer that does not parse (`syntax_ok` is about Python: a shell script fails it and
-    still runs), or none of the failed calls got a result (the module did not load)."""
-    return ((metrics or {}).get("syntax_ok") is False and _python_file(spec) is not None) or (
+    """A Python answer that does not parse (`syntax_ok`; a shell answer is not parsed), or none of the
+    failed calls got a result (the module did not load)."""
+    return ((metrics or {}).get("syntax_ok") is False and spec.python_file() is not None) or (
         bool(failed) and all((t.get("detail") or "").endswith(NEVER_RAN) for t in failed))
 
 
@@ -101,7 +101,7 @@ def default_reprompt(spec: TaskSpec) -> str:
 def continued_header(spec: TaskSpec) -> str | None:
     """The `def ...:` line(s) the answer continues, when it is written into a .py file right
     after a function's signature (and docstring): the answer is that function's body."""
-    step = _python_file(spec)
+    step = spec.python_file()
     if step is None:
         return None
     lines = step.content.split(COMPLETION, 1)[0].splitlines(keepends=True)
@@ -113,12 +113,6 @@ def continued_header(spec: TaskSpec) -> str | None:
     if j is None:
         return None
     return "".join(lines[i:j + 1]) if _docstring_only("".join(lines[j + 1:])) else None
-
-
-def _python_file(spec: TaskSpec) -> OverwriteFile | None:
-    """The .py file the answer is written into, if any (else the answer is not Python)."""
-    return next((s for s in spec.execution_steps
-                 if isinstance(s, OverwriteFile) and COMPLETION in s.content and s.path.endswith(".py")), None)
 
 
 def _docstring_only(text: str) -> bool:

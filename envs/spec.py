@@ -153,7 +153,7 @@ def visible_tests_of(metadata: dict) -> tuple[CallTest, ...]:
 class TaskSpec(_Spec):
     task_id: str = Field(min_length=1, max_length=256)
     family: str = Field(min_length=1, description="A store folder's name: letters, digits and '._-'.")
-    difficulty: int = Field(1, ge=1, le=5, strict=True)   # strict: `true` or "3" is a mistake, not 1 or 3
+    difficulty: int = Field(1, ge=1, le=5)   # `true` or "3" is a mistake, not 1 or 3: _a_number
     version: str = "v1"
     split: Literal["train", "heldout"] = "train"
     prompt: str = Field(min_length=1, description="What the model sees.")
@@ -171,6 +171,14 @@ class TaskSpec(_Spec):
     # The verifier's own rules (ratchet.verify reads these through the same functions), held here
     # so that a task it cannot run is a bad line at import, not an env_error or an aborted audit.
     # Field validators, not a model one: each runs even when another field is bad (every error at once).
+    @field_validator("difficulty", mode="before")
+    @classmethod
+    def _a_number(cls, v: Any) -> Any:
+        """A JSON number, not a bool or a string; 3.0 is 3 (a Parquet column with nulls is Float64)."""
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise SpecError(((), f"must be a whole number 1 to 5, got {json.dumps(v, default=str)[:60]}"))
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+
     @field_validator("family")
     @classmethod
     def _family_is_a_folder(cls, v: str) -> str:
@@ -196,6 +204,11 @@ class TaskSpec(_Spec):
         if errors:
             raise SpecError(*errors)
         return v
+
+    def python_file(self) -> OverwriteFile | None:
+        """The .py file the completion is written into (None: the answer is not Python, e.g. solution.sh)."""
+        return next((s for s in self.execution_steps
+                     if isinstance(s, OverwriteFile) and COMPLETION in s.content and s.path.endswith(".py")), None)
 
     def with_completion(self, completion: str) -> tuple[Step, ...]:
         """The execution steps with the completion substituted."""

@@ -46,7 +46,7 @@ from typing import Callable
 from envs.mutation import mutants as make_mutants
 from envs.registry import get_family
 from envs.snapshot import Verdict
-from envs.spec import COMPLETION, CheckCalls, OverwriteFile, TaskSpec
+from envs.spec import COMPLETION, CheckCalls, TaskSpec
 from ratchet.config import AuditConfig, VerifyConfig
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
 from ratchet.scale import executor_for
@@ -63,16 +63,8 @@ def trivial_answers(spec: TaskSpec) -> list[str]:
         return list(spec.metadata.get("trivial_answers", ["", "pass\n"]))
 
 
-def _py_step(spec: TaskSpec) -> OverwriteFile | None:
-    """The .py file the completion is written into, if any."""
-    for s in spec.execution_steps:
-        if isinstance(s, OverwriteFile) and COMPLETION in s.content and s.path.endswith(".py"):
-            return s
-    return None
-
-
 def task_mutants(spec: TaskSpec, limit: int) -> list[str]:
-    step = _py_step(spec)
+    step = spec.python_file()
     if step is None:
         return make_mutants(spec.reference_solution, limit=limit, seed=spec.task_id, python=False)
     prefix, suffix = step.content.split(COMPLETION, 1)
@@ -113,7 +105,7 @@ gets a per-call alarm, so a mutant that loops is killed alone instead of sinking
 
 def _probeable(spec: TaskSpec) -> bool:
     checks = [s for s in spec.execution_steps if isinstance(s, CheckCalls)]
-    return len(checks) == 1 and _py_step(spec) is not None and bool(spec.tests)
+    return len(checks) == 1 and spec.python_file() is not None and bool(spec.tests)
 
 
 def _probe_payload(group: list[tuple[TaskSpec, list[str]]], alarms: list[float] | None = None) -> Payload:
@@ -122,7 +114,7 @@ def _probe_payload(group: list[tuple[TaskSpec, list[str]]], alarms: list[float] 
     srcs, args = [], []
     for k, (spec, candidates) in enumerate(group):
         entry = next(s for s in spec.execution_steps if isinstance(s, CheckCalls)).entry_point
-        step = _py_step(spec)
+        step = spec.python_file()
         for c in candidates:
             args += [json.dumps([len(srcs), *json.loads(t.args)]) for t in spec.tests]
             alarm = 0.0 if c == spec.reference_solution or alarms is None else alarms[k]

@@ -270,10 +270,11 @@ class RLConfig(Frozen):
         "+5.8 points over 4 seeds against +2.4 with seq_mean_token_mean.",
     )
     kl_coef: float = Field(0.0, ge=0, le=10, description="KL-to-reference coefficient; 0 skips the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k2", description="KL estimator (Schulman's k1/k2/k3). In the loss, k2's gradient is that of KL(pi || pi_ref), "
-        "k3's that of KL(pi_ref || pi) (DeepSeekMath's GRPO), and k1's is zero in expectation, so k1 is refused there; "
-        "in the reward (kl_in_reward) all three estimate KL(pi || pi_ref).")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="KL estimator (Schulman's k1/k2/k3); unset: k2 in the loss, k3 in the reward. In the loss, "
+        "k2's gradient is that of KL(pi || pi_ref), k3's that of KL(pi_ref || pi) (DeepSeekMath's GRPO), and k1's is "
+        "zero in expectation, so k1 is refused there. In the reward (kl_in_reward) it is a value: k1 and k3 are "
+        "unbiased estimates of KL(pi || pi_ref), k2 a biased one with less variance.")
     kl_in_reward: bool = Field(False, description="Apply the KL penalty to the reward instead of the loss.")
     entropy_coef: float = Field(0.0, ge=0, le=1, description="Entropy bonus coefficient.")
     is_cap: float = Field(2.0, ge=1, le=100, description="Truncation of the off-policy importance weight (TIS).")
@@ -281,6 +282,11 @@ class RLConfig(Frozen):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount (PPO only).")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda (PPO only).")
     value_coef: float = Field(0.5, ge=0, le=10, description="Value loss coefficient (PPO only).")
+
+    @property
+    def kl(self) -> str:
+        """The KL estimator used: `kl_estimator`, else k3 in the reward (unbiased) and k2 in the loss."""
+        return self.kl_estimator or ("k3" if self.kl_in_reward else "k2")
 
     @model_validator(mode="after")
     def _kl_in_the_loss_has_a_gradient(self):

@@ -95,4 +95,5 @@ def test_kl_k1_is_refused_in_the_loss_only():
         RLConfig(kl_coef=0.1, kl_estimator="k1")
     assert RLConfig(kl_coef=0.1, kl_estimator="k1", kl_in_reward=True).kl_estimator == "k1"
     assert RLConfig(kl_estimator="k1").kl_coef == 0.0  # no KL term at all: nothing to refuse
-    assert RLConfig().kl_estimator == "k2"
+    assert RLConfig().kl == "k2" and RLConfig(kl_in_reward=True).kl == "k3"   # unset: the loss's and the reward's
+    assert RLConfig(kl_estimator="k3").kl == "k3"

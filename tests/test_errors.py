@@ -16,6 +16,7 @@ import pytest
 
 from ratchet.data.gates import GateError, GateReport
 from ratchet.monitor import Alarm, HealthCheckFailed
+from ratchet.rollout.engine import PromptTooLong
 from ratchet.rollout.server import BadRequest
 from ratchet.run import Interrupted
 from ratchet.store.base import IntegrityError
@@ -32,6 +33,7 @@ RAISED = [
     LeaseHeld("r1", {"owner": "someone", "host": "h", "pid": 12, "heartbeat_at": 100.0, "ttl_s": 30}, now=110.0),
     NoUsableCheckpoint("r1", "file:///tmp/store", [("000004", "sha256 mismatch")]),
     BadRequest("max_tokens too large", param="max_tokens", status=422),
+    PromptTooLong(3, 600, 48, 512, count=2, task_id="imported-x/long"),
 ]
 
 

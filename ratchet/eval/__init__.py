@@ -116,8 +116,9 @@ class EvalResult:
             from ratchet.agent import episode_metrics
 
             bad = set(self.rows.filter(pl.col("env_error"))["task_id"])   # per_task's: a task with any env_error is out
-            out["turns"] = episode_metrics([[{**t, "env_error": task in bad} for t in turns] for turns, task
-                                            in self.rows.select("turns", "task_id").iter_rows()], self.turns)
+            out["turns"] = {**episode_metrics([turns for turns, task in self.rows.select("turns", "task_id").iter_rows()
+                                               if task not in bad], self.turns),
+                            "env_errors": int(self.rows["env_error"].sum())}   # the episodes that ended in one
         return out
 
 

@@ -36,6 +36,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
                           LlamaForCausalLM, PreTrainedTokenizerFast)
 
 from ratchet.config import ModelConfig
+from ratchet.rollout.engine import fits
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -222,7 +223,7 @@ class PromptRoom:
 
     def why(self, tokens: int) -> str | None:
         """Why a prompt of `tokens` tokens does not fit (None: it fits)."""
-        if tokens + self.max_new_tokens <= self.context:
+        if fits(tokens, self.max_new_tokens, self.context):
             return None
         return (f"prompt is {tokens} tokens + max_new_tokens {self.max_new_tokens}, "
                 f"over the model's context of {self.context} tokens")

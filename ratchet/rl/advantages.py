@@ -73,8 +73,13 @@ def _centred(g: Tensor) -> Tensor:
     """g [B, G] minus each group's mean, exactly 0 in a group whose rewards are all equal: in float32 the
     mean of eight 0.9s is one ulp off 0.9, and GRPO's std division would turn that 6e-8 into an
     advantage of 0.06 group-stds, one sign for the whole group."""
-    tied = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)  # [B, 1]
+    tied = _tied(g).unsqueeze(1)  # [B, 1]
     return torch.where(tied, torch.zeros_like(g), g - g.mean(dim=1, keepdim=True))  # [B, G]
+
+
+def _tied(g: Tensor) -> Tensor:
+    """g [B, G] -> bool [B]: the groups whose rewards are all equal."""
+    return (g == g[:, :1]).all(dim=1)  # [B]
 
 
 @register_estimator("grpo")
@@ -245,8 +250,7 @@ def zero_variance_groups(rewards: Tensor, group_size: int) -> Tensor:
     Such a group has zero advantage under every group-baselined estimator, so it contributes no
     gradient and only dilutes the batch; DAPO filters it out (and counts it).
     """
-    g = _grouped(rewards, group_size)  # [B, G]
-    return (g == g[:, :1]).all(dim=1)  # [B]
+    return _tied(_grouped(rewards, group_size))  # [B]
 
 
 class KeepMask(NamedTuple):

@@ -34,6 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
+from ratchet.errors import picklable
+
 
 @dataclass
 class Rollout:
@@ -61,6 +63,7 @@ def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     return i, s
 
 
+@picklable   # raised in a process pool (bench.multiturn) and kept in Prefect's result store
 class PromptTooLong(ValueError):
     """A prompt whose tokens + max_new_tokens exceed the model's context: the engine's last guard (the
     nightly drops such tasks for the run first, `ratchet.room`). `index` is the first such prompt's;
@@ -75,11 +78,17 @@ class PromptTooLong(ValueError):
                          f"{context} tokens ({count} prompt(s) too long)")
 
 
+def fits(tokens: int, max_new_tokens: int, context: int) -> bool:
+    """A prompt of `tokens` tokens leaves room for `max_new_tokens` in the context: the one rule (the
+    engine's check here, the nightly's `ratchet.model.PromptRoom`)."""
+    return tokens + max_new_tokens <= context
+
+
 def check_room(encoded: Sequence[Sequence[int]], max_new_tokens: int, context: int | None) -> None:
     """PromptTooLong for the first encoded prompt that leaves no room for max_new_tokens (context None: no check)."""
     if context is None:
         return
-    too_long = [i for i, ids in enumerate(encoded) if len(ids) + max_new_tokens > context]
+    too_long = [i for i, ids in enumerate(encoded) if not fits(len(ids), max_new_tokens, context)]
     if too_long:
         i = too_long[0]
         raise PromptTooLong(i, len(encoded[i]), max_new_tokens, context, len(too_long))

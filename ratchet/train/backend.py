@@ -220,14 +220,14 @@ class Trainer(ABC):
             rewards = torch.tensor([s.reward for s in micro], device=self.device)               # [N]
             ref = token_logprobs(self.ref_model, ids, attn, self.temperature)[0] if kl_reward else None
             if not values:
-                adjusted = kl_in_reward(rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator)  # [N]
+                adjusted = kl_in_reward(rewards, behavior, ref, mask, rl.kl_coef, rl.kl)  # [N]
                 out.update({id(s): float(r) for s, r in zip(micro, adjusted)})
                 continue
             _, v = self._forward(ids, attn, True)
             v = v[:, :-1].float()                                                              # [N, L-1]
             token_rewards = outcome_to_token_rewards(rewards, mask)                            # [N, L-1]
             if kl_reward:
-                token_rewards = kl_in_reward(token_rewards, behavior, ref, mask, rl.kl_coef, rl.kl_estimator)
+                token_rewards = kl_in_reward(token_rewards, behavior, ref, mask, rl.kl_coef, rl.kl)
             adv, ret = gae(token_rewards, v, mask, rl.gamma, rl.lam)                           # [N, L-1] each
             for b, s in enumerate(micro):
                 p, c = len(s.prompt_ids), len(s.completion_ids)
@@ -329,7 +329,7 @@ class Trainer(ABC):
         rl = self.rl
         return policy_loss(
             logp, old_logp, adv, mask, clip_low=rl.clip_low, clip_high=rl.clip_high, loss_agg=loss_agg,
-            ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl_estimator,
+            ref_logprobs=ref, kl_coef=rl.kl_coef if ref is not None else 0.0, kl_estimator=rl.kl,
             entropy=entropy, entropy_coef=rl.entropy_coef, behavior_logprobs=behavior, is_cap=rl.is_cap,
             max_len=max_len, denom=denom,
         )

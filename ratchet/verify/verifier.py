@@ -156,7 +156,8 @@ def solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
 
 
 def _solution_source(spec: TaskSpec, completion: str) -> str:
-    """The Python file the completion was written into (the first overwritten .py file)."""
+    """The module the call harness imports: the first overwritten .py file (the answer's own, or a
+    task's check.py that runs a non-Python answer, as the shell family's does)."""
     for step in spec.with_completion(completion):
         if isinstance(step, OverwriteFile) and step.path.endswith(".py"):
             return step.content
@@ -202,15 +203,15 @@ def build_payload(spec: TaskSpec, completion: str, runtime_python: RuntimePython
 
 
 def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
-    """The completion is non-empty and, written into a .py file (or no file), parses as Python; an
-    answer written to another file (the shell family's solution.sh) is not Python to parse."""
+    """The completion is non-empty and its .py file parses; an answer that is not Python (the shell
+    family's solution.sh) is not parsed."""
     if is_empty(completion):
         return False
-    own = next((s for s in spec.execution_steps if isinstance(s, OverwriteFile) and COMPLETION in s.content), None)
-    if own is not None and not own.path.endswith(".py"):
+    own = spec.python_file()
+    if own is None:
         return True
     try:
-        ast.parse(_solution_source(spec, completion))
+        ast.parse(own.content.replace(COMPLETION, completion))
         return True
     except (SyntaxError, ValueError, RecursionError, MemoryError):   # 3,000 nested unary minuses: RecursionError
         return False

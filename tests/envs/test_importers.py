@@ -182,7 +182,7 @@ def test_one_error_per_problem_and_no_coercion():
     res = parse_lines(lines(
         GOOD | {"execution_steps": [GOOD["execution_steps"][0], {"action": "check_calls", "entry_point": ""}]},
         GOOD | {"reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": "x"}]}},
-        GOOD | {"difficulty": True}, GOOD | {"difficulty": "3"}, GOOD | {"difficulty": 2.0},
+        GOOD | {"difficulty": True}, GOOD | {"difficulty": "3"}, GOOD | {"difficulty": 2.5},
         GOOD | {"reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": True, "threshold": "5"}]}},
         GOOD | {"execution_steps": []},
         GOOD | {"difficulty": 3, "reward_logic": {"rules": [{"metric": "test_pass_rate", "weight": 1}]}},
@@ -192,6 +192,8 @@ def test_one_error_per_problem_and_no_coercion():
         ["reward_logic.rules.0.weight", "reward_logic.rules.0.threshold"], ["execution_steps"]]
     (ok,) = res.specs
     assert ok.difficulty == 3 and ok.reward_logic.rules[0].weight == 1.0     # a JSON integer is a number
+    (whole,) = parse_lines(lines(GOOD | {"difficulty": 2.0})).specs           # a Float64 Parquet column's 2.0 is 2
+    assert whole.difficulty == 2 and type(whole.difficulty) is int
 
 
 def test_cli_quarantines_a_bad_family_and_imports_parquet(tmp_path):
