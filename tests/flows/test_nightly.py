@@ -42,7 +42,7 @@ def test_summary_and_store_layout(first_run):
     assert lo <= summary["final_pass_rate"] <= hi and summary["final"]["pass_at"] == {"1": round(summary["final_pass_rate"], 4)}
     table = summary["eval_table"].splitlines()
     assert table[0].endswith("| base | candidate |") and table[3].startswith("| family python_functions | ")
-    assert summary["promotion"].startswith("Keep the incumbent")     # min_gain 1.0
+    assert summary["promotion"].startswith("Keep the base model")    # min_gain 1.0; no incumbent yet: base is the bar
     for step in range(3):
         assert store.exists(f"runs/r1/waves/{step:06d}/trajectories.parquet")
         scored = store.read_table(f"runs/r1/waves/{step:06d}/scored.parquet")
@@ -65,7 +65,8 @@ def test_a_candidate_below_the_bar_is_not_promoted(first_run):
     pointer untouched. (The rule itself is tested on hand-built cases in tests/eval, the promote
     task in tests/tasks.)"""
     store_uri, summary = first_run
-    assert summary["promoted"] is False and summary["promotion"].startswith("Keep the incumbent")
+    assert summary["promoted"] is False and summary["promotion"].startswith("Keep the base model")
+    assert "points vs the base model" in summary["promotion"]
     assert "does not exceed the required gain of +100.0 points" in summary["promotion"]
     d = summary["decision"]
     assert d["ci"][0] <= d["estimate"] <= d["ci"][1] and d["method"] == "paired bootstrap + exact McNemar"
