@@ -19,6 +19,14 @@ def run(sb, code, **kw):
     return sb.run(Payload(code=textwrap.dedent(code), **kw))
 
 
+def try_changes(sb, changes, then="", **kw):
+    """Run each of `changes` (Python expressions, `os` imported) in the sandbox, printing "CHANGED" for
+    one that succeeded and "refused" for one that raised OSError; then the code `then`."""
+    return run(sb, "import os\nfor attempt in (" + ", ".join(f"lambda: {c}" for c in changes) + "):\n"
+               "    try:\n        attempt()\n        print('CHANGED')\n    except OSError:\n        print('refused')\n"
+               + textwrap.dedent(then), **kw)
+
+
 def test_ok_and_structured_result(sb):
     r = run(sb, "import sys; print('hi'); print('err', file=sys.stderr)", stdin=b"")
     assert r.ok and r.stdout == "hi\n" and r.stderr == "err\n"
@@ -204,19 +212,10 @@ def test_write_outside_workdir(sb):
 
 
 def test_readonly_files_stay_readonly(sb):
-    r = run(sb, """
-        import os, shutil
-        for attempt in (lambda: open("tests/test_hidden.py", "w").write("x"),
-                        lambda: os.remove("tests/test_hidden.py"),
-                        lambda: os.rename("tests/test_hidden.py", "moved.py"),
-                        lambda: os.chmod("tests/test_hidden.py", 0o666)):
-            try:
-                attempt()
-                print("CHANGED")
-            except OSError:
-                print("refused")
-        print(open("tests/test_hidden.py").read())
-    """, readonly_files={"tests/test_hidden.py": "assert True  # hidden"})
+    r = try_changes(sb, ['open("tests/test_hidden.py", "w").write("x")', 'os.remove("tests/test_hidden.py")',
+                         'os.rename("tests/test_hidden.py", "moved.py")', 'os.chmod("tests/test_hidden.py", 0o666)'],
+                    'print(open("tests/test_hidden.py").read())\n',
+                    readonly_files={"tests/test_hidden.py": "assert True  # hidden"})
     assert "CHANGED" not in r.stdout and "hidden" in r.stdout, r
 
 
@@ -224,19 +223,9 @@ def test_dirs_holding_readonly_files_cannot_be_swapped(isolating):
     """Neither a dir of read-only files nor one that mixes them with writable ones can be renamed,
     replaced or chmod'ed; the payload's own files stay writable (on bwrap the payload is root
     outside its namespace: the dirs must not be root's)."""
-    r = run(isolating, """
-        import os
-        for attempt in (lambda: os.rename("tests", "tests_orig"),
-                        lambda: os.rename("pkg", "pkg2"),
-                        lambda: os.rename("tests/sub", "elsewhere"),
-                        lambda: (os.mkdir("decoy"), os.rename("decoy", "tests")),
-                        lambda: os.chmod("tests", 0o700),
-                        lambda: os.chmod(".", 0o700)):
-            try:
-                attempt()
-                print("CHANGED")
-            except OSError:
-                print("refused")
+    r = try_changes(isolating, ['os.rename("tests", "tests_orig")', 'os.rename("pkg", "pkg2")',
+                                'os.rename("tests/sub", "elsewhere")', '(os.mkdir("decoy"), os.rename("decoy", "tests"))',
+                                'os.chmod("tests", 0o700)', 'os.chmod(".", 0o700)'], """
         open("pkg/mine.py", "a").write("# edited")
         open("solution.py", "w").write("edited")
         print(open("tests/sub/test_hidden.py").read(), open("pkg/ro.txt").read(), open("pkg/mine.py").read())
