@@ -31,6 +31,15 @@ class SpecError(ValueError):
         super().__init__("; ".join(".".join(map(str, loc)) + (": " if loc else "") + why for loc, why in errors))
 
 
+def for_task(task_id: str, rule, value, where: str = ""):
+    """`rule(value)`, one of the schema's rules below, on a spec that skipped validation (model_copy):
+    its SpecError as a ValueError naming the task (`where`: the field's prefix, e.g. "metadata.")."""
+    try:
+        return rule(value)
+    except SpecError as e:
+        raise ValueError(f"task {task_id}: {where}{e}") from e
+
+
 def key_part(name: str) -> bool:
     """`name` is usable as one component of a store key (envs/<family>/<version>/...)."""
     return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name

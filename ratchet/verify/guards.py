@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import re
 
-from envs.spec import CallTest, CheckCalls, SpecError, TaskSpec, visible_tests_of
+from envs.spec import CallTest, CheckCalls, TaskSpec, for_task, visible_tests_of
 
 SPECIAL_CASED = "special_cased_examples"
 SPECIAL_CASED_MAX_HIDDEN = 0.5
@@ -43,10 +43,7 @@ def special_cased(visible_pass_rate: float | None, hidden_pass_rate: float) -> b
 
 def visible_tests(spec: TaskSpec) -> tuple[CallTest, ...]:
     """The task's visible examples, `metadata["visible_tests"]`, as CallTests (ValueError names a bad entry)."""
-    try:        # the schema's rule: only a spec that skipped validation (model_copy) fails here
-        return visible_tests_of(spec.metadata)
-    except SpecError as e:
-        raise ValueError(f"task {spec.task_id}: metadata.{e}") from e
+    return for_task(spec.task_id, visible_tests_of, spec.metadata, "metadata.")   # the schema's rule
 
 
 def _squash(text: str) -> str:

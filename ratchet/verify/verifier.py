@@ -48,7 +48,7 @@ from typing import Callable
 
 from envs.runtime import resolve
 from envs.spec import (COMPLETION, NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand,
-                        SpecError, TaskSpec, judge_step, tolerance_of)
+                        TaskSpec, for_task, judge_step, tolerance_of)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -108,10 +108,7 @@ def canonical(js: str | None) -> str | None:
 
 def float_tolerance(spec: TaskSpec) -> float | None:
     """The task's `metadata["float_tolerance"]` (None: results must be equal as canonical JSON)."""
-    try:        # the schema's rule: only a spec that skipped validation (model_copy) fails here
-        return tolerance_of(spec.metadata)
-    except SpecError as e:
-        raise ValueError(f"task {spec.task_id}: metadata.{e}") from e
+    return for_task(spec.task_id, tolerance_of, spec.metadata, "metadata.")   # the schema's rule
 
 
 def same(got: str | None, expected: str, tolerance: float | None = None) -> bool:
@@ -165,10 +162,7 @@ def _solution_source(spec: TaskSpec, completion: str) -> str:
 
 
 def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:
-    try:        # the schema's rule, as for float_tolerance
-        return judge_step(spec.execution_steps)
-    except SpecError as e:
-        raise ValueError(f"task {spec.task_id}: {e}") from e
+    return for_task(spec.task_id, judge_step, spec.execution_steps)   # the schema's rule
 
 
 def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Plan:
