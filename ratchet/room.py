@@ -45,13 +45,13 @@ def fit_context(table: pl.DataFrame, room: PromptRoom) -> Fitted:
     tokens = room.tokens(table["prompt"].to_list()) if table.height else []
     why = [room.why(n) for n in tokens]
     over = pl.Series([w is not None for w in why], dtype=pl.Boolean)
-    dropped = table.filter(over) if table.height else table
+    dropped = table.filter(over)
     quarantined = pl.DataFrame({
         "task_id": dropped["task_id"], "family": dropped["family"], "split": dropped["split"],
         "prompt_tokens": [n for n, w in zip(tokens, why) if w is not None],
         "reason": [w for w in why if w is not None],
     }, schema=QUARANTINE_SCHEMA)
-    return Fitted(table.filter(~over) if table.height else table, quarantined)
+    return Fitted(table.filter(~over), quarantined)
 
 
 def require_tasks(kept: pl.DataFrame, split: str, source: str, quarantined: pl.DataFrame, room: PromptRoom,
