@@ -5,7 +5,6 @@
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
     python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
-    python -m bench.multiturn --minibatch-answers 0 # the K-turn run steps per 8 prompts, not per 64 answers (before 2026-12-05 evening)
     python -m bench.multiturn --seeds 0 1 2 3       # the README's table: ~95 min
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
@@ -19,8 +18,7 @@
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
    sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
    by default "turn", each answer credited with the state it left, a revision among the task's other
-   revisions at its turn; `rl.loss_agg` from --loss-agg: by default each answer a sequence in the loss;
-   `train.minibatch_answers` from --minibatch-answers: by default one optimizer step per 64 answers in both runs),
+   revisions at its turn; `rl.loss_agg` from --loss-agg: by default each answer a sequence in the loss),
    each for waves until it has sampled the budget (the K-turn run's episodes
    sample more per prompt, so it sees fewer prompts).
    Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
@@ -77,7 +75,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
-        train=TrainConfig(seed=seed, minibatch_answers=args.minibatch_answers or None),
+        train=TrainConfig(seed=seed),
         rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
@@ -194,10 +192,6 @@ def main() -> None:
     p.add_argument("--loss-agg", choices=("seq_mean_token_mean", "answer_mean_token_mean"), default="answer_mean_token_mean",
                    help="rl.loss_agg of the K-turn run: each answer a sequence (the default), or each episode (the single-turn "
                         "run's answers are its sequences: the two are the same loss for it, bit for bit)")
-    p.add_argument("--minibatch-answers", type=int, default=64,
-                   help="train.minibatch_answers of both runs: answers per optimizer step (64: the single-turn run's 8 "
-                        "prompts x 8, so it trains as before, bit for bit); 0: 8 prompts per step, however many answers "
-                        "their episodes hold (the K-turn run's steps before 2026-12-05 evening: 17%% fewer over 1.5x the answers)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--sft-steps", type=int, default=400, help="model.sft_steps of the shared warm start (make run's: 130)")
@@ -251,7 +245,7 @@ def main() -> None:
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "minibatch_answers": args.minibatch_answers, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

@@ -305,11 +305,6 @@ class TrainConfig(Frozen):
     lr_decay_steps: int = Field(0, ge=0, le=10_000_000, description="Cosine: optimizer steps to decay over (0: no decay).")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine: floor of the LR as a fraction of lr.")
     minibatch_prompts: int = Field(8, ge=1, le=65536, description="Prompts (groups) per optimizer step.")
-    minibatch_answers: int | None = Field(
-        None, ge=1, le=10_000_000, description="When set, answers per optimizer step instead: whole groups are "
-        "packed until a minibatch holds at least this many answers (a multi-turn episode gives one per turn it took), "
-        "so that a K-turn run takes as many steps per answer trained as a single-turn one, whose groups all hold "
-        "rollout.group_size answers. None: minibatch_prompts groups per step, whatever their answers.")
     updates_per_batch: int = Field(2, ge=1, le=64, description="Passes over each minibatch (PPO epochs).")
     token_budget: int = Field(8192, ge=64, le=10_000_000, description="Micro-batch size in tokens (dynamic batching).")
     max_grad_norm: float = Field(1.0, gt=0, le=1000, description="Gradient clipping norm.")

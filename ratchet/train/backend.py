@@ -10,8 +10,7 @@ estimators of `ratchet.rl.advantages` from the rewards (less the KL penalty with
 `kl_in_reward`, which needs the reference model) and PPO's GAE over the value head. The
 nightly stores what it returns next to the wave (`trained.parquet`) before training on it.
 
-A wave is split into minibatches of `minibatch_prompts` groups (or, with `minibatch_answers`, of
-whole groups up to that many answers: `minibatches`); each minibatch is seen
+A wave is split into minibatches of `minibatch_prompts` groups; each minibatch is seen
 `updates_per_batch` times (PPO epochs), one optimizer step each. A minibatch is cut into
 micro-batches packed by token budget (dynamic batching); the loss is normalised over the
 whole minibatch (`denom`), so accumulation gives the same gradient as one big batch.
@@ -88,22 +87,6 @@ def lr_factor(step: int, warmup: int, schedule: str = "constant", decay_steps: i
         t = min(1.0, (step - warmup) / decay_steps)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
     return 1.0
-
-
-def minibatches(groups: list[list[TrainSample]], prompts: int, answers: int | None = None) -> list[list[TrainSample]]:
-    """The wave's groups (in training order), cut into minibatches of whole groups: `prompts` groups
-    each, or, with `answers`, as many groups as it takes to hold at least that many answers (a
-    sample's answers: the runs of its loss mask, one per turn; the last minibatch may hold fewer)."""
-    if answers is None:
-        return [[s for g in groups[i:i + prompts] for s in g] for i in range(0, len(groups), prompts)]
-    out, current, held = [], [], 0
-    for g in groups:
-        current += g
-        held += sum(answer_count(loss_mask_of(s)) for s in g)
-        if held >= answers:
-            out.append(current)
-            current, held = [], 0
-    return out + ([current] if current else [])
 
 
 def _by_size(groups) -> dict[int, list[TrainSample]]:
@@ -263,10 +246,12 @@ class Trainer(ABC):
             groups.setdefault(s.group, []).append(s)
         order = list(groups)
         self.rng.shuffle(order)
+        k = self.cfg.minibatch_prompts
         totals: dict[str, float] = {}
         n_updates = 0
         self.module.train()
-        for minibatch in minibatches([groups[g] for g in order], self.cfg.minibatch_prompts, self.cfg.minibatch_answers):
+        for start in range(0, len(order), k):
+            minibatch = [s for g in order[start:start + k] for s in groups[g]]
             old: dict[int, Tensor] = {}   # pi_old's log-probs [c] per sample: the first pass's, detached
             for _ in range(self.cfg.updates_per_batch):
                 for key, v in self._update(minibatch, old).items():

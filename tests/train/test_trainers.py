@@ -13,7 +13,7 @@ import torch
 
 from ratchet.config import RLConfig, TrainConfig
 from ratchet.model import load_policy, save_policy
-from ratchet.train.backend import lr_factor, minibatches
+from ratchet.train.backend import lr_factor
 from ratchet.train.batching import TrainSample
 from ratchet.train.policy import token_logprobs
 from ratchet.train.torch_trainer import TorchTrainer
@@ -99,38 +99,6 @@ def test_packed_micro_batches_give_the_one_big_batch_gradient(loss_agg):
     assert grads["one_batch"].abs().sum() > 0
     for name in grads:
         torch.testing.assert_close(grads[name], grads["one_batch"], rtol=1e-5, atol=1e-7)
-
-
-def test_minibatches_of_answers_hold_whole_groups_up_to_that_many_answers():
-    """minibatch_answers: whole groups until the minibatch holds that many answers, an episode's answers
-    the runs of its loss mask; minibatch_prompts: that many groups, whatever they hold."""
-    def episode(group: str, answers: int) -> TrainSample:   # `answers` runs of action tokens, an observation between
-        mask = ([1, 1, 0] * answers)[:-1]
-        return TrainSample([5], [7] * len(mask), [0.0] * len(mask), 0.0, group, loss_mask=mask)
-
-    groups = [[episode(f"g{i}", n) for n in sizes] for i, sizes in enumerate([(1, 1), (3, 2), (1, 1), (2, 1), (1,)])]
-    assert [len(m) for m in minibatches(groups, prompts=2)] == [4, 4, 1]
-    by_answers = minibatches(groups, prompts=2, answers=4)
-    assert [[s.group for s in m][::2] for m in by_answers] == [["g0", "g1"], ["g2", "g3"], ["g4"]]   # 7, 5, then 1 left
-    assert [s for m in by_answers for s in m] == [s for g in groups for s in g]                      # every sample, in order
-    single = [[episode(f"s{i}", 1) for _ in range(3)] for i in range(5)]                             # one answer each
-    assert minibatches(single, prompts=2, answers=6) == minibatches(single, prompts=2)
-
-
-def test_minibatch_answers_trains_single_turn_waves_as_minibatch_prompts_bit_for_bit():
-    """Single-turn groups all hold group_size answers: minibatch_answers = minibatch_prompts x group_size cuts the
-    same minibatches, so the weights are the same bit for bit; a wave of 2-answer episodes takes twice the steps."""
-    samples = tiny.wave(tiny.model(), seed=5, n_groups=5, group_size=3)
-    runs = []
-    for train in (TrainConfig(minibatch_prompts=2, lr=1e-2), TrainConfig(minibatch_prompts=7, minibatch_answers=6, lr=1e-2)):
-        t = TorchTrainer(tiny.model(), pad_id(), train, RLConfig())
-        runs.append((t.train_wave([replace(s) for s in samples])["optimizer_steps"], _weights(t)))
-    assert runs[0][0] == runs[1][0] == 6                     # 3 minibatches (2, 2, 1 groups), 2 passes each
-    assert all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
-    two = [replace(s, completion_ids=s.completion_ids * 2, behavior_logprobs=s.behavior_logprobs * 2,
-                   loss_mask=[1] * (len(s.completion_ids) - 1) + [0] + [1] * len(s.completion_ids)) for s in samples]
-    t = TorchTrainer(tiny.model(), pad_id(), TrainConfig(minibatch_prompts=2, minibatch_answers=6), RLConfig())
-    assert t.train_wave(two)["optimizer_steps"] == 10        # 6 answers a group: 5 minibatches of one group
 
 
 def test_gae_trains_the_value_head_towards_the_returns():
