@@ -5,6 +5,7 @@
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
     python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
+    python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
     python -m bench.multiturn --seeds 0 1 2 3       # the README's table: ~95 min
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
@@ -71,7 +72,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
     return NightlyConfig(
         run_id=run_id, steps=10_000, checkpoint_every=10_000, store=StoreConfig(uri=store),
         envs=EnvsConfig(families=("python_functions",), n_train=args.train_tasks, n_heldout=args.eval_tasks),
-        model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps),
+        model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps, seed=args.warm_seed),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
                           credit=args.credit),
@@ -194,6 +195,9 @@ def main() -> None:
                         "run's answers are its sequences: the two are the same loss for it, bit for bit)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
+    p.add_argument("--warm-seed", type=int, default=0,
+                   help="model.seed of the shared warm start (weights, SFT order, which tasks get revision demos): "
+                        "another warm start, equally valid; the RL seeds' intervals do not cover it")
     p.add_argument("--sft-steps", type=int, default=400, help="model.sft_steps of the shared warm start (make run's: 130)")
     p.add_argument("--context", type=int, default=384, help="model.max_seq_len of the embedded model")
     p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated")
@@ -245,7 +249,7 @@ def main() -> None:
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 
