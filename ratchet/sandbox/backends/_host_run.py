@@ -58,8 +58,10 @@ def write_tree(root: str, payload: Payload, uid: int, owner: int = 0) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444 if ro else 0o644)
         try:
             os.write(fd, data)
-            if not ro or owner:
-                os.fchown(fd, owner if ro else uid, owner if ro else uid)
+            if not ro:
+                os.fchown(fd, uid, uid)
+            elif owner:                  # (owner 0: root's already, as created)
+                os.fchown(fd, owner, owner)
         finally:
             os.close(fd)
 
