@@ -119,7 +119,7 @@ def _docstring_only(text: str) -> bool:
     """Nothing but blank lines, comments and one docstring: a function whose body is yet to come."""
     try:
         body = ast.parse(textwrap.dedent(text)).body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):   # the model's text: anything it can be
+    except (SyntaxError, ValueError, RecursionError, MemoryError):   # a task file's text (an imported task's: anything)
         return False
     return not body or (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                         and isinstance(body[0].value.value, str))
