@@ -27,7 +27,8 @@
    across thread counts, DESIGN.md "Determinism").
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
    greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
-   (episodes that failed turn 1 and passed later, over those that failed turn 1); the last-turn gain
+   (episodes that failed turn 1 and passed later, over those that failed turn 1), the repeat rate
+   (revisions that repeat the answer before them: they cannot pass); the last-turn gain
    of K-turn over single-turn is paired by task (bootstrap CI, exact McNemar p) for each seed, pooled
    over the task-seed pairs of all seeds (`gain_last_pooled`), and taken across seeds, each seed's gain
    one value, with its t-interval (`gain_last_across_seeds`: the one that says what the next seed will do).
@@ -114,7 +115,7 @@ def held_out(policy, heldout, cfg) -> dict:
     note(f"{policy.run_id}: held-out evaluation, {cfg.agent.turns} turns", t0)
     rows = open_store(cfg.store).read_table(f"runs/{policy.run_id}/eval/{policy.version:06d}.parquet")
     return {"pass_turn1": by_turn["pass_after_turn"][0], "pass_last": by_turn["pass_after_turn"][-1],
-            "fix_rate": by_turn["fix_rate"], "mean_turns": by_turn["mean_turns"],
+            "fix_rate": by_turn["fix_rate"], "repeat_rate": by_turn["repeat_rate"], "mean_turns": by_turn["mean_turns"],
             "passed": dict(zip(rows["task_id"], rows["passed"]))}
 
 
@@ -237,14 +238,15 @@ def main() -> None:
 
     def summary(side: str) -> dict:
         out = {}
-        for k in ("pass_turn1", "pass_last", "fix_rate", "waves", "sampled_tokens", "train_s"):
+        for k in ("pass_turn1", "pass_last", "fix_rate", "repeat_rate", "waves", "sampled_tokens", "train_s"):
             values = [r[side][k] for r in per_seed]
-            out[k] = round(statistics.fmean(values), 4)
+            known = [v for v in values if v is not None]      # repeat_rate: None where no episode revised
+            out[k] = round(statistics.fmean(known), 4) if known else None
             out[f"{k}_per_seed"] = values
         return out
 
     gains = [r["gain_last"]["estimate"] for r in per_seed]
-    print(json.dumps({"warm_start": {k: round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
+    print(json.dumps({"warm_start": {k: None if v is None else round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),

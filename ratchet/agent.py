@@ -162,14 +162,16 @@ def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, 
 
 def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     """Figures of a set of episodes, each given as its turn records (`turn_records`, or a trajectory
-    row's `turns`: `passed`, `env_error`, `action_tokens`, `observation_tokens` per turn; the
-    evaluation's carry `passed` only). Episodes that ended in an env_error are left out (counted in
+    row's `turns`: `passed`, `env_error`, `action`, `action_tokens`, `observation_tokens` per turn; the
+    evaluation's carry no `env_error`). Episodes that ended in an env_error are left out (counted in
     `env_errors`). `pass_after_turn[k-1]`: the share passed by turn k, k = 1..max_turns (passed at
     turn j counts for every k >= j; an episode that ended sooner keeps its state); `pass_turn1`,
     `pass_last`; `fix_rate`: of the episodes that failed turn 1 (`failed_turn1`), the share that
     passed later (None when none failed); `mean_turns`, `mean_action_tokens` (sampled),
-    `mean_observation_tokens`; `ends`: episodes that ended passing, at the turn limit, or earlier
-    (out of context). Rates are None when no episode counts."""
+    `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
+    carry their `action`, the share that repeat the answer before them, leading and trailing whitespace
+    aside (a repeat cannot pass a deterministic task: a revision spent); `ends`: episodes that ended
+    passing, at the turn limit, or earlier (out of context). Rates are None when no episode counts."""
     if max_turns < 1:
         raise ValueError(f"episode_metrics: max_turns must be at least 1, got {max_turns}")
     ok = [e for e in episodes if e and not e[-1].get("env_error")]
@@ -185,6 +187,8 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     first = [passed_at(e) for e in ok]
     after = [mean([float(j is not None and j <= k) for j in first]) for k in range(1, max_turns + 1)]
     failed1 = [j for j in first if j != 1]
+    repeats = [float((e[k]["action"] or "").strip() == (e[k - 1]["action"] or "").strip())
+               for e in ok for k in range(1, len(e)) if "action" in e[k]]
     ends = {"passed": 0, "turns": 0, "context": 0}
     for e in ok:
         ends["passed" if e[-1]["passed"] else "turns" if len(e) == max_turns else "context"] += 1
@@ -195,6 +199,7 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
         "mean_turns": mean([len(e) for e in ok]),
         "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e) for e in ok]),
         "mean_observation_tokens": mean([sum(t.get("observation_tokens") or 0 for t in e) for e in ok]),
+        "repeat_rate": mean(repeats),
         "ends": ends,
     }
 

@@ -134,7 +134,7 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     `sampled_entropy`: the sampling policy's entropy in nats per token, estimated over every sampled
     token of the wave as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward
     pass; an observation token's log-prob is 0 and is not counted). Multi-turn waves add the episode
-    figures (`ratchet.agent.episode_metrics`: pass rate after each turn, fix rate, turns per episode)."""
+    figures (`ratchet.agent.episode_metrics`: pass rate after each turn, fix rate, repeat rate, turns per episode)."""
     stats = group_stats(frame, cfg)
     verified = frame.filter(~pl.col("env_error"))
     judged = stats["groups"] - stats["groups_env_error"]

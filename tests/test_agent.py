@@ -139,14 +139,16 @@ def test_observation_cut_keeps_the_reprompt_whole(engine):
     assert fit_observation(body, again, tok, 3) == again                     # over budget alone: still whole
 
 
-def _turn(n_action: int, n_obs: int) -> Turn:
-    return Turn(list(range(n_action)), [-1.0] * n_action, "x", True, None,
+def _turn(n_action: int, n_obs: int, text: str) -> Turn:
+    return Turn(list(range(n_action)), [-1.0] * n_action, text, True, None,
                 "o" if n_obs else None, list(range(n_obs)))
 
 
-def _result(passes: list[bool | None], end: str) -> EpisodeResult:
-    """passes: per turn True/False, None = an env_error; turn k has k+2 action and 5 observation tokens."""
-    turns = [_turn(k + 2, 5 if k < len(passes) - 1 else 0) for k in range(len(passes))]
+def _result(passes: list[bool | None], end: str, texts: list[str] | None = None) -> EpisodeResult:
+    """passes: per turn True/False, None = an env_error; turn k has k+2 action and 5 observation tokens,
+    and the answer texts[k] (default: a different one each turn)."""
+    texts = texts or [f"answer {k}" for k in range(len(passes))]
+    turns = [_turn(k + 2, 5 if k < len(passes) - 1 else 0, texts[k]) for k in range(len(passes))]
     vs = [Verification(metrics={}, env_error=True) if p is None else
           Verification(metrics={"test_pass_rate": 1.0 if p else 0.0}) for p in passes]
     return EpisodeResult(Episode(0, [1, 2], turns, end, 2, 2), vs)
@@ -156,7 +158,8 @@ def test_episode_metrics_by_hand():
     results = [_result([True], "done"),                   # passed at turn 1
                _result([False, False, True], "done"),     # fixed at turn 3
                _result([False, True], "done"),            # fixed at turn 2
-               _result([False, False, False], "turns"),   # never
+               _result([False, False, False], "turns",    # never; its second answer repeats the first
+                       ["    return x\n", "    return x", "    return -x\n"]),
                _result([False, False], "context"),        # never (out of context after 2)
                _result([True, False, False], "turns"),    # passed at 1 (stop_on_pass off), then regressed: passed
                _result([False, None], "done")]            # env_error at turn 2: left out
@@ -170,6 +173,9 @@ def test_episode_metrics_by_hand():
     assert m["mean_action_tokens"] == pytest.approx((2 + 9 + 5 + 9 + 5 + 9) / 6)
     assert m["mean_observation_tokens"] == pytest.approx((0 + 10 + 5 + 10 + 5 + 10) / 6)
     assert m["ends"] == {"passed": 3, "turns": 2, "context": 1}
+    assert m["repeat_rate"] == pytest.approx(1 / 8)       # 8 revisions (2 + 1 + 2 + 1 + 2), one repeat
+    bare = [[{k: v for k, v in t.items() if k != "action"} for t in turn_records(r)] for r in results]
+    assert episode_metrics(bare, 3)["repeat_rate"] is None                          # records without actions
     assert episode_metrics([turn_records(_result([True], "done"))], 2)["fix_rate"] is None     # nobody failed turn 1
     with pytest.raises(ValueError, match="more than max_turns=2"):
         episode_metrics([turn_records(r) for r in results], 2)

@@ -48,7 +48,7 @@ def source_of(spec: TaskSpec) -> str:
 @dataclass
 class EvalResult:
     rows: pl.DataFrame   # one row per (task, sample): task_id, family, source, difficulty, sample, completion, env_error,
-                         # passed (the last answer), turns (per answer taken: passed, action_tokens, observation_tokens)
+                         # passed (the last answer), turns (per answer taken: passed, action, action_tokens, observation_tokens)
     samples: int         # k, samples per task
     turns: int = 1       # K, most answers per episode (1: single-turn)
 
@@ -142,7 +142,7 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         owner = [specs[e.episode.prompt_index] for e in episodes]
         completions = [e.episode.turns[-1].action_text for e in episodes]
         env_error = [e.env_error for e in episodes]
-        turns = [[{k: t[k] for k in ("passed", "action_tokens", "observation_tokens")} for t in turn_records(e)]
+        turns = [[{k: t[k] for k in ("passed", "action", "action_tokens", "observation_tokens")} for t in turn_records(e)]
                  for e in episodes]
     else:
         with naming_tasks([s.task_id for s in specs]):
@@ -152,7 +152,7 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         results = verify_many(list(zip(owner, completions)), verify.sandbox_limits(), verify.concurrency,
                               verify.env_error_retries, executor=executor)
         env_error = [v.env_error for v in results]
-        turns = [[{"passed": v.passed, "action_tokens": len(r.completion_ids), "observation_tokens": 0}]
+        turns = [[{"passed": v.passed, "action": r.text, "action_tokens": len(r.completion_ids), "observation_tokens": 0}]
                  for r, v in zip(rollouts, results)]
     rows = pl.DataFrame({
         "task_id": [s.task_id for s in owner],
@@ -165,7 +165,7 @@ def evaluate(engine, specs: Sequence[TaskSpec], verify: VerifyConfig = VerifyCon
         "passed": [t[-1]["passed"] for t in turns],
         "turns": turns,
     }, schema_overrides={"difficulty": pl.Int64, "sample": pl.Int64,
-                         "turns": pl.List(pl.Struct({"passed": pl.Boolean, "action_tokens": pl.Int64,
+                         "turns": pl.List(pl.Struct({"passed": pl.Boolean, "action": pl.String, "action_tokens": pl.Int64,
                                                      "observation_tokens": pl.Int64}))})
     return EvalResult(rows=rows, samples=samples, turns=agent.turns if agent is not None else 1)
 
