@@ -14,7 +14,7 @@
    the fix, so that the warm start has seen a revision at every turn of an episode), saved as a
    checkpoint. Both runs of a seed start from it, so they differ only in how they train. Its 400
    SFT steps (make run's 130 leave a model that passes 3% of the held-out tasks: RL from there
-   mostly learns what SFT would teach, and no run learns to revise) give 41-44% at turn 1 (`--warm-seed` 0; 34% with 1).
+   mostly learns what SFT would teach, and no run learns to revise) give 41-44% at turn 1 (`--warm-seed` 0; 34% with 1, 43% with 2).
 2. Per seed (`train.seed`: which tasks each wave draws and how it samples), two trainings for the
    same budget of SAMPLED tokens (`--budget`; the model's own tokens, observation tokens are not
    sampled): single-turn (`agent.turns` 1) and K-turn (`agent.turns` K, `agent.credit` from --credit:
