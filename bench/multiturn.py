@@ -5,6 +5,7 @@
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
     python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
+    python -m bench.multiturn --repeat-reward 0     # a revision that repeats the failed answer before it scores 0
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
     python -m bench.multiturn --seeds 0 1 2 3       # the README's table: ~95 min
 
@@ -76,7 +77,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps, seed=args.warm_seed),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
-                          credit=args.credit),
+                          credit=args.credit, repeat_reward=args.repeat_reward),
         train=TrainConfig(seed=seed),
         rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
         gate=GateConfig(max_zero_variance_frac=1.0),
@@ -194,6 +195,8 @@ def main() -> None:
     p.add_argument("--loss-agg", choices=("seq_mean_token_mean", "answer_mean_token_mean"), default="answer_mean_token_mean",
                    help="rl.loss_agg of the K-turn run: each answer a sequence (the default), or each episode (the single-turn "
                         "run's answers are its sequences: the two are the same loss for it, bit for bit)")
+    p.add_argument("--repeat-reward", type=float, default=None,
+                   help="agent.repeat_reward: the reward of a revision that repeats the failed answer before it (default: its own)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--warm-seed", type=int, default=0,
@@ -251,7 +254,7 @@ def main() -> None:
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

@@ -57,6 +57,12 @@ def observation_parts(spec: TaskSpec, feedback: dict | None, metrics: dict | Non
     return _line_end(observe(spec, feedback, metrics)), _line_end(again(spec))
 
 
+def repeats(action: str | None, before: str | None) -> bool:
+    """Whether an answer repeats the answer before it, leading and trailing whitespace aside: on a
+    deterministic task it gets the same verdict, so a repeat of a failed answer is a turn spent."""
+    return (action or "").strip() == (before or "").strip()
+
+
 def observation(spec: TaskSpec, feedback: dict | None, metrics: dict | None) -> str:
     """What the model sees after an answer: the sandbox's verdict, then the re-prompt."""
     body, again = observation_parts(spec, feedback, metrics)

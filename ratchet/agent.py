@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from envs.episode import observation_parts
+from envs.episode import observation_parts, repeats
 from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import AgentConfig, VerifyConfig
@@ -187,7 +187,7 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     first = [passed_at(e) for e in ok]
     after = [mean([float(j is not None and j <= k) for j in first]) for k in range(1, max_turns + 1)]
     failed1 = [j for j in first if j != 1]
-    repeats = [float((e[k]["action"] or "").strip() == (e[k - 1]["action"] or "").strip())
+    repeated = [float(repeats(e[k]["action"], e[k - 1]["action"]))
                for e in ok for k in range(1, len(e)) if "action" in e[k]]
     ends = {"passed": 0, "turns": 0, "context": 0}
     for e in ok:
@@ -199,7 +199,7 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
         "mean_turns": mean([len(e) for e in ok]),
         "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e) for e in ok]),
         "mean_observation_tokens": mean([sum(t.get("observation_tokens") or 0 for t in e) for e in ok]),
-        "repeat_rate": mean(repeats),
+        "repeat_rate": mean(repeated),
         "ends": ends,
     }
 

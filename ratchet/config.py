@@ -240,6 +240,11 @@ class AgentConfig(Frozen):
     turn_penalty: float = Field(
         0.0, ge=0, le=1, description="Per-turn shaping: subtracted from the trajectory's reward (the final answer's) "
         "for each turn after the first, so that solving sooner is worth more. 0: the final state's reward alone.")
+    repeat_reward: float | None = Field(
+        None, ge=-1, le=1, description="Per-turn shaping: the reward of a revision that repeats the failed answer "
+        "before it (whitespace aside), in place of its own. A repeat gets the same verdict, so with partial credit "
+        "it keeps the score of a near miss and is the safe choice against a change that breaks more tests; "
+        "0 scores it as a failure. Empty: scored as any answer.")
     credit: Literal["trajectory", "turn"] = Field(
         "trajectory", description="What each answer of an episode is credited with. trajectory: every answer gets "
         "the episode's advantage (from its final reward). turn: answer 1 gets the group-relative advantage of its "

@@ -24,7 +24,9 @@ def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
     frame = open_store(cfg.store).read_table(wave)
     logic = load_specs(train[0])[0].reward_logic
     low, high = reward_bounds(logic, cfg.reward)
-    low -= cfg.agent.turn_penalty * (cfg.agent.turns - 1)        # per-turn shaping can take a reward below it
+    if cfg.agent.repeat_reward is not None:                       # per-turn shaping can take a reward outside them
+        low, high = min(low, cfg.agent.repeat_reward), max(high, cfg.agent.repeat_reward)
+    low -= cfg.agent.turn_penalty * (cfg.agent.turns - 1)
     report = check_wave(frame, cfg.gate, reward_bounds=(low, high),
                         max_tokens=cfg.model.max_seq_len, source=wave.uri)
     if not report.success:

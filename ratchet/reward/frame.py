@@ -1,12 +1,15 @@
 """Rewards for a whole wave (a TRAJECTORY_SCHEMA frame).
 
     scored = score_frame(wave, {s.task_id: s.reward_logic for s in specs}, cfg.reward)
-    scored = score_frame(wave, logic, cfg.reward, turn_penalty=cfg.agent.turn_penalty)   # multi-turn episodes
+    scored = score_frame(wave, logic, cfg.reward, turn_penalty=cfg.agent.turn_penalty,   # multi-turn episodes
+                         repeat_reward=cfg.agent.repeat_reward)
 
 A multi-turn episode's reward is its final state's: the last answer's metrics, as a single-turn
 row's (`turn_penalty` > 0 subtracts that much per turn after the first: solving sooner is worth
 more). Each turn in `turns` gets the reward its own answer would have had, for reading a run,
-and for per-turn credit (`turn_states`: the value of the episode's state after each turn).
+and for per-turn credit (`turn_states`: the value of the episode's state after each turn);
+with `repeat_reward` set, a revision that repeats the failed answer before it gets that reward
+instead (`envs.episode.repeats`), and so does the episode when its last answer is one.
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import polars as pl
 
+from envs.episode import repeats
 from envs.spec import RewardLogic
 from ratchet.config import RewardConfig
 from ratchet.reward.metrics import validate_logic
@@ -33,7 +37,7 @@ def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None
 
 
 def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg: RewardConfig,
-                turn_penalty: float = 0.0) -> pl.DataFrame:
+                turn_penalty: float = 0.0, repeat_reward: float | None = None) -> pl.DataFrame:
     """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns
     unchanged); rows of multi-turn episodes also get each turn's reward in `turns`."""
     missing = sorted(set(frame["task_id"].unique().to_list()) - set(logic_by_task))
@@ -52,14 +56,23 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
         return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
     turns = []
     for i, r in enumerate(rows):
-        for t in r["turns"] or []:
+        for k, t in enumerate(r["turns"] or []):
             t["reward"] = row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
                                      logic_by_task[r["task_id"]], cfg)
+            if repeat_reward is not None and t["reward"] is not None and _repeats_a_failure(r["turns"], k):
+                t["reward"] = repeat_reward
         if rewards[i] is not None and r["turns"]:
+            if repeat_reward is not None and _repeats_a_failure(r["turns"], len(r["turns"]) - 1):
+                rewards[i] = repeat_reward
             rewards[i] -= turn_penalty * (len(r["turns"]) - 1)
         turns.append(r["turns"])
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
                               pl.Series("turns", turns, dtype=frame.schema["turns"]))
+
+
+def _repeats_a_failure(turns: list[dict], k: int) -> bool:
+    """Answer k (0-based) of an episode repeats the answer before it, which failed."""
+    return k > 0 and not turns[k - 1]["passed"] and repeats(turns[k]["action"], turns[k - 1]["action"])
 
 
 def turn_states(turns: list[dict], max_turns: int, turn_penalty: float = 0.0) -> list[float]:

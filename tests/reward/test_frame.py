@@ -46,6 +46,37 @@ def test_score_frame_by_hand():
     assert out.drop("reward").equals(frame.drop("reward"))
 
 
+def episode(i, answers, rates):
+    """A multi-turn row: one answer per turn, each with its pass rate; the row is the last answer's."""
+    turns = [{"turn": k, "action": a, "observation": None, "action_tokens": 1, "observation_tokens": 0,
+              "metrics": metrics(r), "feedback": None, "passed": r == 1.0, "reward": None, "env_error": False}
+             for k, (a, r) in enumerate(zip(answers, rates))]
+    return {**row(i, completion=answers[-1], m=metrics(rates[-1])), "turns": turns}
+
+
+def test_repeat_reward_replaces_the_partial_credit_of_a_repeated_failure():
+    a, b = "    return x\n", "    return -x\n"
+    frame = trajectories_frame([
+        episode(0, [a, " return x  ", b], [0.5, 0.5, 1.0]),   # turn 2 repeats turn 1 (whitespace aside)
+        episode(1, [a, b, a], [0.5, 0.25, 0.5]),              # turn 3 is turn 1 again, not the answer before it
+        episode(2, [a, a + "\n"], [0.5, 0.5]),                 # ends on a repeat: the episode's reward is its
+    ])
+    logic = {"t1": RewardLogic()}                               # reward = test_pass_rate
+    plain = score_frame(frame, logic, CFG)
+    shaped = score_frame(frame, logic, CFG, turn_penalty=0.1, repeat_reward=-0.2)
+
+    def turn_rewards(out):
+        return [[t["reward"] for t in ts] for ts in out["turns"].to_list()]
+
+    assert turn_rewards(plain) == [[0.5, 0.5, 1.0], [0.5, 0.25, 0.5], [0.5, 0.5]]
+    assert turn_rewards(shaped) == [[0.5, -0.2, 1.0], [0.5, 0.25, 0.5], [0.5, -0.2]]
+    assert plain["reward"].to_list() == [1.0, 0.5, 0.5]
+    assert shaped["reward"].to_list() == pytest.approx([1.0 - 0.2, 0.5 - 0.2, -0.2 - 0.1])
+    # a repeat of an answer that passed (episodes that go on after a pass) is not a spent turn
+    again = trajectories_frame([episode(0, [a, a], [1.0, 1.0])])
+    assert score_frame(again, logic, CFG, repeat_reward=0.0)["reward"].to_list() == [1.0]
+
+
 def test_score_frame_empty_completion_never_scores_above_zero():
     # metrics that would score 1.0 (e.g. the tests pass on the starting snapshot), but the completion is empty
     frame = trajectories_frame([row(0, completion="  \n", m=metrics(1.0)), row(1, completion="", m=metrics(1.0))])
