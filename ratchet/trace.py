@@ -10,13 +10,15 @@ From the shell: `ratchet trace show RUN --step N [--task ID]`, `ratchet trace re
 
 A replay runs the stored completions again through `ratchet.verify.verify_many` against the
 same task spec, with the VerifyConfig and RewardConfig the wave was scored with, and scores
-them with `ratchet.reward.frame.row_reward`, as the score_wave task did. Where the stored
+them with `ratchet.reward.frame.row_reward`, as the score_wave task did (a multi-turn episode:
+its final answer, then the agent's shaping over its stored turns, `episode_reward`). Where the stored
 reward and the replayed one differ (beyond `tolerance`), or one of them is an env_error and
 the other not, the sample is "not reproduced": a flaky task, or the environment drifted (a
 runtime, the sandbox, the spec). What the wave was scored with is recorded next to it when it
 is scored (`scoring_record`, written by tasks/score.py):
 
-    runs/<run_id>/waves/<step>/scoring.json   {"train": [Ref of each task snapshot], "verify": {...}, "reward": {...}}
+    runs/<run_id>/waves/<step>/scoring.json   {"train": [Ref of each task snapshot], "verify": {...}, "reward": {...},
+                                               "agent": {...}}
 
 A snapshot that no longer matches its recorded sha256 is still read (the replay then says so
 in its notes: the spec itself drifted). A wave scored before this record existed can be
@@ -33,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import polars as pl
 
 from envs.spec import TaskSpec
-from ratchet.config import NightlyConfig, RewardConfig, VerifyConfig
+from ratchet.config import AgentConfig, NightlyConfig, RewardConfig, VerifyConfig
 from ratchet.store import ArtifactStore, IntegrityError, Ref, store_for
 
 TABLES = ("trained.parquet", "scored.parquet", "trajectories.parquet")
@@ -52,7 +54,8 @@ def wave_prefix(run_id: str, step: int) -> str:
 def scoring_record(train: list[Ref], cfg: NightlyConfig) -> dict:
     """What a wave is scored with, for a later replay: the task snapshots and the two configs."""
     return {"train": [r.model_dump(mode="json") for r in train],
-            "verify": cfg.verify.model_dump(mode="json"), "reward": cfg.reward.model_dump(mode="json")}
+            "verify": cfg.verify.model_dump(mode="json"), "reward": cfg.reward.model_dump(mode="json"),
+            "agent": cfg.agent.model_dump(mode="json")}
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -229,8 +232,10 @@ class Replay:
                 "notes": self.notes, "samples": [asdict(s) for s in self.samples]}
 
 
-def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref], VerifyConfig, RewardConfig]:
-    """The task snapshots and configs wave `step` was scored with (its scoring.json)."""
+def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref], VerifyConfig, RewardConfig,
+                                                                       AgentConfig]:
+    """The task snapshots and configs wave `step` was scored with (its scoring.json; a record written
+    before the agent's shaping was kept gets AgentConfig's defaults: no shaping)."""
     key = f"{wave_prefix(run_id, step)}/{SCORING}"
     if not store.exists(key):
         raise TraceError(f"wave {step} of run {run_id!r} has no scoring record ({key}): it was scored before "
@@ -238,7 +243,7 @@ def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref
     record = store.get_json(key)
     try:
         return ([Ref.model_validate(r) for r in record["train"]], VerifyConfig.model_validate(record["verify"]),
-                RewardConfig.model_validate(record["reward"]))
+                RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"unreadable scoring record {key}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
@@ -273,13 +278,13 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
            tolerance: float = 1e-9) -> Replay:
     """Verify and score again every stored sample of `task_id` in wave `step`, with the wave's own
     spec (or `spec`, to try a changed one), VerifyConfig and RewardConfig; compare with what is stored."""
-    from ratchet.reward.frame import row_reward       # late: the judge and its sandbox load only to replay
+    from ratchet.reward.frame import episode_reward, row_reward   # late: the judge and its sandbox load only to replay
     from ratchet.verify import verify_many
 
     wave = load_wave(store, run_id, step, task_id)
     if wave.table == "trajectories.parquet":
         raise TraceError(f"wave {step} of run {run_id!r} is not scored yet: nothing to reproduce")
-    refs, verify, reward = load_scoring(store, run_id, step)
+    refs, verify, reward, agent = load_scoring(store, run_id, step)
     notes: list[str] = []
     if spec is None:
         spec, notes = find_spec(refs, task_id)
@@ -292,6 +297,8 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
     for row, res in zip(rows, results):
         again = row_reward({"completion": row["completion"], "metrics": res.metrics or None,
                             "env_error": res.env_error}, spec.reward_logic, reward)
+        if row.get("turns"):          # a multi-turn episode: its final answer replayed, the shaping on its stored turns
+            again = episode_reward(again, row["turns"], agent.turn_penalty, agent.repeat_reward)
         stored_err = row["env_error_kind"] or ("env_error" if row["env_error"] else None)
         replayed_err = (res.env_error_kind or "env_error") if res.env_error else None
         samples.append(Sample(

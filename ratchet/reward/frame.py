@@ -61,13 +61,23 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
                                      logic_by_task[r["task_id"]], cfg)
             if repeat_reward is not None and t["reward"] is not None and _repeats_a_failure(r["turns"], k):
                 t["reward"] = repeat_reward
-        if rewards[i] is not None and r["turns"]:
-            if repeat_reward is not None and _repeats_a_failure(r["turns"], len(r["turns"]) - 1):
-                rewards[i] = repeat_reward
-            rewards[i] -= turn_penalty * (len(r["turns"]) - 1)
+        if r["turns"]:
+            rewards[i] = episode_reward(rewards[i], r["turns"], turn_penalty, repeat_reward)
         turns.append(r["turns"])
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
                               pl.Series("turns", turns, dtype=frame.schema["turns"]))
+
+
+def episode_reward(final: float | None, turns: list[dict], turn_penalty: float = 0.0,
+                   repeat_reward: float | None = None) -> float | None:
+    """A multi-turn episode's reward from its last answer's (`row_reward`; None stays None) and its
+    turns (`action`, `passed`): `repeat_reward` in its place when the last answer repeats the failed
+    one before it, less `turn_penalty` per turn after the first."""
+    if final is None:
+        return None
+    if repeat_reward is not None and _repeats_a_failure(turns, len(turns) - 1):
+        final = repeat_reward
+    return final - turn_penalty * (len(turns) - 1)
 
 
 def _repeats_a_failure(turns: list[dict], k: int) -> bool:
