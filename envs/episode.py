@@ -32,6 +32,7 @@ import textwrap
 from typing import Callable
 
 from envs.registry import Family, get_family
+from envs.source import parse_python
 from envs.spec import COMPLETION, NEVER_RAN, CheckCalls, TaskSpec
 
 REVISE = "Revise your answer.\n"
@@ -123,10 +124,10 @@ def continued_header(spec: TaskSpec) -> str | None:
 
 def _docstring_only(text: str) -> bool:
     """Nothing but blank lines, comments and one docstring: a function whose body is yet to come."""
-    try:
-        body = ast.parse(textwrap.dedent(text)).body
-    except (SyntaxError, ValueError, RecursionError, MemoryError):   # a task file's text (an imported task's: anything)
+    tree = parse_python(textwrap.dedent(text))      # a task file's text (an imported task's: anything)
+    if tree is None:
         return False
+    body = tree.body
     return not body or (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                         and isinstance(body[0].value.value, str))
 

@@ -24,19 +24,20 @@ from typing import Iterator
 from pydantic import ValidationError
 
 from envs.importers import LineError, _open_text, _pydantic_errors
+from envs.source import parse_python
 from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
 
 HUMANEVAL_FIELDS = {"task_id": str, "prompt": str, "canonical_solution": str, "test": str, "entry_point": str}
 
 
-def _first_arg(prompt: str, entry: str) -> str:
-    try:
-        for node in ast.walk(ast.parse(prompt)):
-            if isinstance(node, ast.FunctionDef) and node.name == entry and node.args.args:
-                return node.args.args[0].arg
-    except SyntaxError:
-        pass
-    return "None"
+def _first_param(source: str, function: str) -> str | None:
+    """The name of the first parameter of `function` as `source` defines it; None if it has none, or
+    the source does not define it or does not parse."""
+    tree = parse_python(source)
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.FunctionDef) and node.name == function and node.args.args:
+            return node.args.args[0].arg
+    return None
 
 
 # --- HumanEval: the calls `check` makes, recorded once, become call tests -----------------------
@@ -87,24 +88,16 @@ def __ratchet_check(_plain=__ratchet_plain):
 """
 
 
-def _check_param(test: str) -> str | None:
-    for node in ast.walk(ast.parse(test)):
-        if isinstance(node, ast.FunctionDef) and node.name == "check" and node.args.args:
-            return node.args.args[0].arg
-    return None
-
-
 def _compares_results(test: str) -> bool:
     """Whether `check` judges each result only by comparing it with a value of its own: every call
     of its candidate sits in `candidate(..) == y` (or `is`), `assert candidate(..)`, `not
     candidate(..)`, `abs(candidate(..) - y)` or `tuple|list|str(candidate(..)) == y`. Then the
     canonical solution's result is the expected value. Anything else (a result kept in a variable
     and tested for a property) cannot become call tests."""
-    try:
-        tree = ast.parse(test)
-    except SyntaxError:
+    tree = parse_python(test)
+    if tree is None:
         return False
-    name = _check_param(test)
+    name = _first_param(test, "check")
     if name is None:
         return False
     parent = {c: n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
@@ -248,7 +241,7 @@ def from_humaneval(obj: dict, family: str = "humaneval", split: str | None = Non
     if errors:
         raise LineError(*errors)
     entry, prompt = obj["entry_point"], obj["prompt"]
-    arg = _first_arg(prompt, entry)
+    arg = _first_param(prompt, entry) or "None"
     metadata = {"entry_point": entry, "source_format": "humaneval",
                 "trivial_answers": ["", "    pass\n", f"    return {arg}\n", "    return 0\n",
                                     "    raise NotImplementedError\n"]}

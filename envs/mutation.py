@@ -21,6 +21,8 @@ import ast
 import random
 import re
 
+from envs.source import parse_python
+
 _BINOP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.FloorDiv, ast.FloorDiv: ast.Mult,
           ast.Div: ast.Mult, ast.Mod: ast.FloorDiv, ast.Pow: ast.Mult, ast.BitAnd: ast.BitOr,
           ast.BitOr: ast.BitAnd, ast.LShift: ast.RShift, ast.RShift: ast.LShift}
@@ -75,9 +77,8 @@ def _offsets(text: bytes) -> list[int]:
 def python_mutants(completion: str, prefix: str = "", suffix: str = "") -> list[str] | None:
     """Mutated completions, or None if prefix + completion + suffix is not valid Python."""
     full = (prefix + completion + suffix).encode()
-    try:
-        tree = ast.parse(full)
-    except (SyntaxError, ValueError):
+    tree = parse_python(full)
+    if tree is None:
         return None
     lines = _offsets(full)
     lo, hi = len(prefix.encode()), len(prefix.encode()) + len(completion.encode())

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from envs.runtime import resolve
+from envs.source import parse_python
 from envs.spec import (COMPLETION, NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand,
                         TaskSpec, for_task, judge_step, tolerance_of)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
@@ -204,11 +205,7 @@ def _syntax_ok(spec: TaskSpec, completion: str) -> bool:
     own = spec.python_file()
     if own is None:
         return True
-    try:
-        ast.parse(own.content.replace(COMPLETION, completion))
-        return True
-    except (SyntaxError, ValueError, RecursionError, MemoryError):   # 3,000 nested unary minuses: RecursionError
-        return False
+    return parse_python(own.content.replace(COMPLETION, completion)) is not None
 
 
 def _calls_passed(stdout: str, hidden: tuple[CallTest, ...], visible: tuple[CallTest, ...],

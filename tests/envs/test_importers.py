@@ -14,7 +14,7 @@ from envs.humaneval import humaneval_path
 from envs.importers import default_split, parse_lines, read_tasks, write_quarantine
 from ratchet.audit import audit
 from ratchet.cli import app as ratchet_app
-from ratchet.config import AuditConfig
+from ratchet.config import AuditConfig, VerifyConfig
 from ratchet.envs_cli import app
 
 GOOD = {"task_id": "t1", "prompt": "def f(x):\n", "reference_solution": "    return x + 1\n",
@@ -229,6 +229,23 @@ def test_humaneval_fields_and_quarantine_file(tmp_path):
     write_quarantine(q, res.bad)
     rows = [json.loads(x) for x in q.read_text().splitlines()]
     assert [r["line"] for r in rows] == [2, 3] and rows[0]["raw"].startswith("{") and rows[1]["errors"][0]["field"] == "entry_point"
+
+
+def test_source_deeper_than_the_parser_is_judged_not_a_crash():
+    """Text nested deeper than Python's parser (3,000 unary minuses: RecursionError, not SyntaxError)
+    in a HumanEval prompt, in its check, or in a task's reference: the import keeps every line and
+    the audit rejects the tasks it cannot run, by name; one such line once stopped the whole import."""
+    deep = "-" * 3000 + "1"
+    he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
+          "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}
+    res = parse_lines(lines(he, he | {"task_id": "H/2", "prompt": f"X = {deep}\n" + he["prompt"]},
+                            he | {"task_id": "H/3", "test": he["test"] + f"Y = {deep}\n"},
+                            GOOD | {"task_id": "t4", "reference_solution": f"    return x + {deep}\n"}), fmt="humaneval")
+    assert [s.task_id for s in res.specs] == ["H/1", "H/2", "H/3"] and [b.line for b in res.bad] == [4]
+    taskspec = parse_lines(lines(GOOD | {"task_id": "t4", "reference_solution": f"    return x + {deep}\n"}))
+    report = audit([*res.specs, *taskspec.specs], AuditConfig(), VerifyConfig(concurrency=2))
+    verdicts = {a.task_id: a.reason for a in report}
+    assert verdicts["H/1"] == "" and all(verdicts[t].startswith("reference fails") for t in ("H/2", "H/3", "t4"))
 
 
 def test_cli_import_and_verify(tmp_path):
