@@ -36,7 +36,6 @@ call results are compared outside the sandbox; visible-only success is flagged
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import json
 import math

@@ -13,15 +13,16 @@ BACKENDS = ["zygote", "bwrap", "subprocess"]
 ISOLATING = {"zygote", "bwrap"}   # backends with namespaces (the subprocess fallback has none)
 
 
-def _skip_reason(name):
-    return available_backends().get(name, "unknown backend")
+def need_backend(name: str) -> None:
+    """Skip the test, saying why, when sandbox backend `name` cannot run on this machine."""
+    why = available_backends().get(name, "unknown backend")
+    if why:
+        pytest.skip(f"backend {name} unavailable here: {why}")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def sb(request):
-    why = _skip_reason(request.param)
-    if why:
-        pytest.skip(f"backend {request.param} unavailable here: {why}")
+    need_backend(request.param)
     with Sandbox(LIMITS, backend=request.param, concurrency=2) as box:
         yield box
 

@@ -9,20 +9,13 @@ import time
 import pytest
 
 from ratchet.sandbox import Limits, Payload, Sandbox, doctor, run_many
-from ratchet.sandbox.pool import available_backends
-from tests.sandbox.conftest import BACKENDS
-
-
-def _need(name):
-    why = available_backends().get(name)
-    if why:
-        pytest.skip(f"backend {name} unavailable here: {why}")
+from tests.sandbox.conftest import BACKENDS, need_backend
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_infra_error_is_not_a_payload_failure(backend):
-    _need(backend)
+    need_backend(backend)
     with Sandbox(Limits(wall_s=5), backend=backend, concurrency=1) as sb:
         failed = sb.run(Payload(code="raise SystemExit(1)"))
         assert failed.infra_error is None and failed.exit_code == 1 and not failed.ok
@@ -33,7 +26,7 @@ def test_infra_error_is_not_a_payload_failure(backend):
 
 @pytest.mark.timeout(60)
 def test_worker_death_is_an_infra_error():
-    _need("zygote")
+    need_backend("zygote")
     with Sandbox(Limits(wall_s=10), backend="zygote", concurrency=1) as sb:
         assert sb.run(Payload(code="print(0)")).ok
         slot = sb._free.queue[0]
@@ -88,7 +81,7 @@ def _snapshot():
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("backend", ["zygote", "subprocess"])
 def test_no_leaks_after_1000_runs(backend, monkeypatch):
-    _need(backend)
+    need_backend(backend)
     tmp_path = tempfile.mkdtemp(prefix="ratchet-leaktest-", dir="/tmp")   # o+x: the slot uid must reach it
     os.chmod(tmp_path, 0o755)
     n = 1000 if backend == "zygote" else 150   # the fallback costs ~40 ms a run; keep it short

@@ -17,6 +17,7 @@ from ratchet.verify.guards import hidden_test_leaks, special_cased
 from ratchet.verify.commands import pytest_counts
 from ratchet.verify.verifier import build_payload, canonical
 from ratchet.sandbox import Payload, run_many
+from tests.sandbox.conftest import need_backend
 
 CFG = RewardConfig()
 NO_PENALTY = RewardConfig(security_penalty=None)
@@ -175,11 +176,8 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("backend", ["bwrap", "zygote"])
 def test_completion_cannot_swap_the_tests_dir(backend):
     from ratchet.sandbox import Sandbox
-    from ratchet.sandbox.pool import available_backends
     from ratchet.verify.verifier import metrics_from, plan
-    why = available_backends().get(backend, "unknown backend")
-    if why:
-        pytest.skip(f"backend {backend} unavailable here: {why}")
+    need_backend(backend)
     spec = cmd_task("python solution.py; python -m pytest -q tests/", "swap_" + backend)
     with Sandbox(LIMITS, backend=backend, concurrency=1) as box:
         got = {}
