@@ -57,10 +57,9 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
     turns = []
     for i, r in enumerate(rows):
         for k, t in enumerate(r["turns"] or []):
-            t["reward"] = row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
-                                     logic_by_task[r["task_id"]], cfg)
-            if repeat_reward is not None and t["reward"] is not None and _repeats_a_failure(r["turns"], k):
-                t["reward"] = repeat_reward
+            t["reward"] = _unless_repeated(
+                row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
+                           logic_by_task[r["task_id"]], cfg), r["turns"], k, repeat_reward)
         if r["turns"]:
             rewards[i] = episode_reward(rewards[i], r["turns"], turn_penalty, repeat_reward)
         turns.append(r["turns"])
@@ -73,16 +72,17 @@ def episode_reward(final: float | None, turns: list[dict], turn_penalty: float =
     """A multi-turn episode's reward from its last answer's (`row_reward`; None stays None) and its
     turns (`action`, `passed`): `repeat_reward` in its place when the last answer repeats the failed
     one before it, less `turn_penalty` per turn after the first."""
-    if final is None:
-        return None
-    if repeat_reward is not None and _repeats_a_failure(turns, len(turns) - 1):
-        final = repeat_reward
-    return final - turn_penalty * (len(turns) - 1)
+    final = _unless_repeated(final, turns, len(turns) - 1, repeat_reward)
+    return None if final is None else final - turn_penalty * (len(turns) - 1)
 
 
-def _repeats_a_failure(turns: list[dict], k: int) -> bool:
-    """Answer k (0-based) of an episode repeats the answer before it, which failed."""
-    return k > 0 and not turns[k - 1]["passed"] and repeats(turns[k]["action"], turns[k - 1]["action"])
+def _unless_repeated(reward: float | None, turns: list[dict], k: int, repeat_reward: float | None) -> float | None:
+    """Answer k's (0-based) reward, or `repeat_reward` when it is set and the answer repeats the failed
+    answer before it; None (env_error) stays None."""
+    if reward is None or repeat_reward is None or k == 0:
+        return reward
+    before = turns[k - 1]
+    return repeat_reward if not before["passed"] and repeats(turns[k]["action"], before["action"]) else reward
 
 
 def turn_states(turns: list[dict], max_turns: int, turn_penalty: float = 0.0) -> list[float]:
