@@ -32,6 +32,7 @@ from ratchet.config import AgentConfig, VerifyConfig
 from ratchet.data.schemas import trajectories_frame
 from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
+from ratchet.rollout.wave import group_id
 from ratchet.scale import executor_for
 from ratchet.train.sft import demo_sequence
 from ratchet.verify import Verification, verify_many
@@ -86,7 +87,7 @@ def episode_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec
         rows.append({
             "run_id": run_id, "step": step, "policy_version": version,
             "task_id": spec.task_id, "family": spec.family, "difficulty": spec.difficulty,
-            "group_id": f"{step}:{ep.prompt_index}", "sample_idx": i % group_size,
+            "group_id": group_id(step, spec), "sample_idx": i % group_size,
             "prompt": spec.prompt, "completion": turns[-1]["action"], "turns": turns,
             "prompt_tokens": len(ep.prompt_ids), "completion_tokens": len(ep.completion_ids),
             "completion_ids": ep.completion_ids, "behavior_logprobs": ep.logprobs, "loss_mask": ep.loss_mask,

@@ -103,3 +103,22 @@ def test_a_wave_is_a_function_of_weights_seed_and_step():
     b = rollout(engine, tasks, "r", 3, 0, cfg)
     c = rollout(engine, tasks, "r", 4, 0, cfg)
     assert a.equals(b) and not a["completion_ids"].equals(c["completion_ids"])
+
+
+def test_two_sources_in_one_wave_keep_their_groups_apart():
+    """tasks/rollout.py samples each source apart and concatenates: each numbers its prompts from 0,
+    so groups named by that number merged two tasks into one group of 2 x group_size, and
+    whole-group selection then trained on none of them."""
+    from envs.registry import get_family
+    from ratchet.rollout.torch_engine import TorchEngine
+    from ratchet.stages import rollout
+
+    sources = [[fam.generate(fam.config(), 0, i, 1, "train") for i in range(4)]
+               for fam in (get_family("python_functions"), get_family("bugfix"))]
+    cfg = NightlyConfig(rollout=RolloutConfig(prompts_per_wave=3, group_size=2, max_new_tokens=4))
+    engine = TorchEngine(tiny.model(), tiny.tokenizer())
+    frame = pl.concat([rollout(engine, tasks, "r", 0, 0, cfg) for tasks in sources])
+    assert frame.group_by("group_id").agg(pl.col("task_id").n_unique())["task_id"].to_list() == [1] * 6
+    frame = frame.with_columns(reward=pl.Series([float(i % 2) for i in range(frame.height)]))
+    assert group_stats(frame, cfg) == {"groups": 6, "groups_env_error": 0, "groups_zero_variance": 0}
+    assert len(train_samples(frame, lambda ps: [[1, 2] for _ in ps], cfg)) == frame.height == 12

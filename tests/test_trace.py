@@ -163,7 +163,7 @@ def test_replay_catches_a_changed_hidden_test(wave):
     assert [s.reproduced for s in report.samples] == [False, True, True, False]
     assert report.samples[0].stored_reward == 1.0 and report.samples[0].replayed_reward == pytest.approx(0.9)
     text = render_replay(report)
-    assert "sample 0 (group 2:0): stored reward 1.000, replayed reward 0.900, pass rate 1.00 -> 0.90: NOT reproduced" in text
+    assert f"sample 0 (group 2:{a.task_id}): stored reward 1.000, replayed reward 0.900, pass rate 1.00 -> 0.90: NOT reproduced" in text
     assert f'call 0: args {t0.args}: expected "drifted"' in text and text.endswith("not reproduced: 2/4 samples give the stored reward")
 
 

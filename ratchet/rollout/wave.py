@@ -38,6 +38,13 @@ def pick_tasks(tasks: Sequence[TaskSpec], n: int, step: int, total: int,
     return list(picked.values())
 
 
+def group_id(step: int, spec: TaskSpec) -> str:
+    """The GRPO group of a task's samples in wave `step`. Named by the task, not its place in the wave:
+    a wave samples each of its sources apart (tasks/rollout.py), each numbering its prompts from 0, and
+    task ids are distinct across sources (an imported set's carry its name), so groups never merge."""
+    return f"{step}:{spec.task_id}"
+
+
 def wave_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec],
                rollouts: Sequence[Rollout], group_size: int) -> pl.DataFrame:
     """Trajectory rows (TRAJECTORY_SCHEMA), unscored; rollouts grouped by prompt, in order."""
@@ -47,7 +54,7 @@ def wave_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec],
         rows.append({
             "run_id": run_id, "step": step, "policy_version": version,
             "task_id": spec.task_id, "family": spec.family, "difficulty": spec.difficulty,
-            "group_id": f"{step}:{r.prompt_index}", "sample_idx": i % group_size,
+            "group_id": group_id(step, spec), "sample_idx": i % group_size,
             "prompt": spec.prompt, "completion": r.text,
             "prompt_tokens": len(r.prompt_ids), "completion_tokens": len(r.completion_ids),
             "completion_ids": r.completion_ids, "behavior_logprobs": r.logprobs,

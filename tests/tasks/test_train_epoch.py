@@ -72,11 +72,11 @@ def test_stored_advantage_is_the_trained_one(tmp_path, monkeypatch, rl):
         stored = [[round(a, 5)] * n for a, n in zip(trained["advantage"], trained["completion_tokens"])
                   if a is not None and a != 0.0]             # rows with advantage 0 carry no gradient: skipped
         assert trained["token_advantages"].is_null().all()
-        assert trained.filter(pl.col("group_id") == "0:0")["advantage"].is_null().all()   # equal rewards: dropped
+        assert trained.filter(pl.col("group_id") == "0:t0")["advantage"].is_null().all()   # equal rewards: dropped
     assert stored and sorted(seen) == sorted(stored)
     assert new_policy.version == 1 and metrics["optimizer_steps"] >= 1
     if rl.kl_in_reward:  # the KL moved the advantages off the plain group-normalised rewards
-        plain = trained.filter(pl.col("group_id") == "0:2").sort("sample_idx")["advantage"].to_list()
+        plain = trained.filter(pl.col("group_id") == "0:t2").sort("sample_idx")["advantage"].to_list()
         g = torch.tensor([1.0, 0.0, 0.5, 0.0])
         assert plain != pytest.approx(((g - g.mean()) / (g.std() + 1e-6)).tolist(), abs=1e-4)
 
