@@ -30,6 +30,10 @@ def pick_tasks(tasks: Sequence[TaskSpec], n: int, step: int, total: int,
     for t in tasks:
         by_d.setdefault(t.difficulty, []).append(t)
     levels = sorted(by_d)
+    weighted = [t for d in levels if weights[d - 1] > 0 for t in by_d[d]]
+    if len(weighted) < n:   # the curriculum's levels hold fewer than n tasks (or none): all of them, the rest at random
+        rest = [t for d in levels if weights[d - 1] <= 0 for t in by_d[d]]
+        return weighted + rng.sample(rest, n - len(weighted))
     picked: dict[str, TaskSpec] = {}
     while len(picked) < n:
         d = rng.choices(levels, weights=[weights[d - 1] for d in levels])[0]

@@ -70,3 +70,21 @@ def test_python_functions_curriculum_by_hand():
     first = [t.difficulty for t in pick_tasks(tasks, 60, 0, 100, curriculum, seed=0)]
     last = [t.difficulty for t in pick_tasks(tasks, 60, 99, 100, curriculum, seed=0)]
     assert sum(last) / len(last) > sum(first) / len(first) + 0.2   # expected means 2.0 and 2.33
+
+
+def test_a_curriculum_that_weighs_fewer_tasks_than_a_wave_takes_them_all_and_fills_the_rest():
+    """The shell family's curriculum weighs difficulty 1 alone at step 0. With fewer difficulty-1
+    tasks than a wave's prompts, drawing by the weights until the wave was full never ended; with
+    none (the audit removed them), the draw raised. Now the weighted levels' tasks all go in and the
+    other levels fill the wave."""
+    from ratchet.rollout.wave import pick_tasks
+
+    curriculum = get_family("shell").curriculum
+    assert curriculum(0, 10, 3) == [1.0, 0.0, 0.0]
+    fam = get_family("python_functions")
+    tasks = [fam.generate(fam.config(), 0, i, d, "train") for d in (1, 2, 3) for i in range(10)]
+    picked = pick_tasks(tasks, 16, 0, 10, curriculum, seed=0)
+    assert len({t.task_id for t in picked}) == 16
+    assert sum(t.difficulty == 1 for t in picked) == 10
+    no_easy = pick_tasks([t for t in tasks if t.difficulty > 1], 16, 0, 10, curriculum, seed=0)
+    assert len({t.task_id for t in no_easy}) == 16
