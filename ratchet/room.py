@@ -64,6 +64,7 @@ def require_tasks(kept: pl.DataFrame, split: str, source: str, quarantined: pl.D
     raise NoTasksLeft(
         f"source {source}: no {SPLIT_NAMES[split]} task left for this run's model: all {dropped.height} of its "
         f"{SPLIT_NAMES[split]} task(s) have prompts that leave no room for rollout.max_new_tokens "
-        f"{room.max_new_tokens} in the model's context of {room.context} tokens (the shortest is "
+        f"{room.max_new_tokens} in {room.limit} of {room.context} tokens (the shortest is "
         f"{dropped['prompt_tokens'].min()} tokens){f'; quarantined in {where}' if where else ''}. "
-        "Use a model with a longer context, lower rollout.max_new_tokens, or shorten the prompts.")
+        f"{'Raise model.max_seq_len' if room.limit == 'model.max_seq_len' else 'Use a model with a longer context'}, "
+        "lower rollout.max_new_tokens, or shorten the prompts.")

@@ -4,9 +4,9 @@
     fitted.train, fitted.heldout   # Refs to the task tables this run samples and evaluates
     fitted.quarantine              # Ref to runs/<run_id>/context/too_long.parquet (None: nothing checked)
 
-Only a model directory (cfg.model.path) is checked, by its tokenizer and context as the rollout
-engine counts (ratchet/room.py, ratchet.model.PromptRoom); the embedded model's tokenizer is trained
-later, from the tasks. A table that loses tasks is rewritten for this run only:
+Only a model directory (cfg.model.path) is checked, by its tokenizer as the rollout engine counts,
+against the run's context: model.max_seq_len, at most the model's own (ratchet/room.py,
+ratchet.model.PromptRoom); the embedded model's tokenizer is trained later, from the tasks. A table that loses tasks is rewritten for this run only:
 runs/<run_id>/context/<family>/<version>/{passed,heldout_passed}.parquet. The audit's shared tables
 (envs/<family>/<version>/) are never written here.
 """
@@ -38,7 +38,7 @@ class RunTasks(BaseModel):
 
 @task(retries=1, retry_delay_seconds=[5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def fit_to_context(run_id: str, audits: list[AuditResult], cfg: NightlyConfig) -> RunTasks:
-    """Drop, for this run, every task whose prompt + rollout.max_new_tokens exceeds the model's context;
+    """Drop, for this run, every task whose prompt + rollout.max_new_tokens exceeds the run's context;
     quarantine them under runs/<run_id>/context/. A source left without training or held-out tasks
     stops the run with one error naming it."""
     train, heldout = [a.passed for a in audits], [a.heldout_passed for a in audits]
@@ -47,16 +47,13 @@ def fit_to_context(run_id: str, audits: list[AuditResult], cfg: NightlyConfig) -
     from ratchet.model import prompt_room   # torch and transformers: only for a model directory
 
     room = prompt_room(cfg.model, cfg.rollout.max_new_tokens)
-    if room is None:
-        get_run_logger().warning("model %s names no context length: prompts are not checked against it", cfg.model.path)
-        return RunTasks(train=train, heldout=heldout)
     st = open_store(cfg.store)
     base = f"runs/{run_id}/context"
     checked = [(a, key, split, fit_context(st.read_table(getattr(a, key)), room))
                for a in audits for key, split in (("passed", "train"), ("heldout_passed", "heldout"))]
     table = pl.concat([out.quarantined for *_, out in checked]) if checked else QUARANTINE_SCHEMA.to_frame()
     where = st.write_table(f"{base}/too_long.parquet", table)
-    _report(run_id, table, room.context, cfg.rollout.max_new_tokens)
+    _report(run_id, table, room)
     for a, _, split, out in checked:   # the quarantine first, so the error can point at it
         require_tasks(out.kept, split, f"{a.family} {a.version}", out.quarantined, room, where.uri)
     kept = {"passed": [], "heldout_passed": []}
@@ -66,13 +63,13 @@ def fit_to_context(run_id: str, audits: list[AuditResult], cfg: NightlyConfig) -
     return RunTasks(train=kept["passed"], heldout=kept["heldout_passed"], quarantine=where, too_long=table.height)
 
 
-def _report(run_id: str, table: pl.DataFrame, context: int, max_new_tokens: int) -> None:
-    logger = get_run_logger()
+def _report(run_id: str, table: pl.DataFrame, room) -> None:
+    logger, limit = get_run_logger(), f"{room.limit} of {room.context} tokens"
     if not table.height:
-        logger.info("every task's prompt + max_new_tokens %d fits the model's context of %d tokens", max_new_tokens, context)
+        logger.info("every task's prompt + max_new_tokens %d fits %s", room.max_new_tokens, limit)
         return
-    logger.warning("%d task(s) dropped for this run: prompt + max_new_tokens %d over the model's context of %d tokens; "
-                   "first: %s (%d tokens)", table.height, max_new_tokens, context, table["task_id"][0], table["prompt_tokens"][0])
+    logger.warning("%d task(s) dropped for this run: prompt + max_new_tokens %d over %s; first: %s (%d tokens)",
+                   table.height, room.max_new_tokens, limit, table["task_id"][0], table["prompt_tokens"][0])
     create_table_artifact(table.head(50).to_dicts(), key=re.sub(r"[^a-z0-9-]+", "-", f"too-long-{run_id.lower()}")[:100],
-                          description=f"Run {run_id}: {table.height} task(s) whose prompt + max_new_tokens {max_new_tokens} "
-                                      f"exceeds the model's context of {context} tokens (dropped for this run only).")
+                          description=f"Run {run_id}: {table.height} task(s) whose prompt + max_new_tokens "
+                                      f"{room.max_new_tokens} exceeds {limit} (dropped for this run only).")

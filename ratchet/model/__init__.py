@@ -208,14 +208,15 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
 
 @dataclass(frozen=True)
 class PromptRoom:
-    """Whether task prompts leave room for the completion in the model's context, counted as the run's
-    rollout engine counts them (`encode_prompts`: the same tokenizer, the chat template when the run
-    uses one), so a prompt it passes is one the engine's own check (PromptTooLong) passes."""
+    """Whether task prompts leave room for the completion in the run's context (`run_context`), counted
+    as the run's rollout engine counts them (`encode_prompts`: the same tokenizer, the chat template when
+    the run uses one), so a prompt it passes is one the engine's own check (PromptTooLong) passes."""
 
     tokenizer: object
     chat: bool
     context: int
     max_new_tokens: int
+    limit: str = "the model's context"     # what sets `context`, as the reason names it
 
     def tokens(self, prompts: list[str]) -> list[int]:
         """Per prompt: its length in tokens, as the engine encodes it."""
@@ -226,24 +227,32 @@ class PromptRoom:
         if fits(tokens, self.max_new_tokens, self.context):
             return None
         return (f"prompt is {tokens} tokens + max_new_tokens {self.max_new_tokens}, "
-                f"over the model's context of {self.context} tokens")
+                f"over {self.limit} of {self.context} tokens")
 
     def __call__(self, prompts: list[str]) -> list[str | None]:
         """Per prompt: why it does not fit (None: it fits)."""
         return [self.why(n) for n in self.tokens(prompts)]
 
 
+def run_context(model, cfg: ModelConfig) -> tuple[int, str]:
+    """The context a run's sequences stay within, and what sets it: model.max_seq_len (the wave gate
+    holds every prompt + completion to it), or the model's own context (a model or its config) where
+    that is shorter (preflight refuses a max_seq_len past it, but a probe or a test may set one)."""
+    own = context_length(model)
+    if own is not None and own <= cfg.max_seq_len:
+        return own, "the model's context"
+    return cfg.max_seq_len, "model.max_seq_len"
+
+
 def prompt_room(cfg: ModelConfig, max_new_tokens: int) -> PromptRoom | None:
-    """The PromptRoom of the model directory `cfg.path` (its tokenizer and config, no weights loaded).
-    None for the embedded model (its tokenizer is trained in the warm start, from the run's tasks) and
-    for a config that names no context."""
+    """The PromptRoom of the model directory `cfg.path` (its tokenizer and config, no weights loaded),
+    in the run's context (`run_context`). None for the embedded model (its tokenizer is trained in the
+    warm start, from the run's tasks)."""
     if not cfg.path:
         return None
-    context = context_length(AutoConfig.from_pretrained(cfg.path))
-    if context is None:
-        return None
+    context, limit = run_context(AutoConfig.from_pretrained(cfg.path), cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.path)
-    return PromptRoom(tokenizer, use_chat_template(cfg.chat_template, tokenizer), context, max_new_tokens)
+    return PromptRoom(tokenizer, use_chat_template(cfg.chat_template, tokenizer), context, max_new_tokens, limit)
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from ratchet.config import NightlyConfig
-from ratchet.model import load_policy, save_policy, use_chat_template
+from ratchet.model import load_policy, run_context, save_policy, use_chat_template
 from ratchet.rollout.behaviour import Behaviour, open_behaviour
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import ArtifactStore, Ref, store_for
@@ -72,8 +72,10 @@ _LOCK = threading.Lock()
 def load_engine(model_dir: str | Path, cfg: NightlyConfig, policy_version: int = 0) -> TorchEngine:
     """A rollout engine over the checkpoint in `model_dir`, placed and prompted as the run's policy is."""
     model, tokenizer = load_policy(model_dir, cfg.model)
-    return TorchEngine(model.eval(), tokenizer, policy_version=policy_version,
-                       chat_template=use_chat_template(cfg.model.chat_template, tokenizer), check_context=True)
+    engine = TorchEngine(model.eval(), tokenizer, policy_version=policy_version,
+                         chat_template=use_chat_template(cfg.model.chat_template, tokenizer), check_context=True)
+    engine.context = run_context(model, cfg.model)[0]   # what the gate holds a wave to; episodes stop there
+    return engine
 
 
 def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,

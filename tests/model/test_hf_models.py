@@ -208,7 +208,7 @@ def test_the_runs_prompt_room_is_the_run_engines_own_count(hf_dir):
     from ratchet.train.session import load_engine
 
     arch, path = hf_dir
-    cfg = ModelConfig(path=str(path), device="cpu")
+    cfg = ModelConfig(path=str(path), max_seq_len=CONTEXT, device="cpu")
     engine = load_engine(path, NightlyConfig(model=cfg))
     assert engine.chat_template == (arch == "qwen2")
     prompt = "def f(x):\n"
@@ -227,6 +227,27 @@ def test_the_runs_prompt_room_is_the_run_engines_own_count(hf_dir):
     assert prompt_room(ModelConfig(), 16) is None          # the embedded model: no tokenizer before its warm start
 
 
+def test_a_max_seq_len_below_the_models_context_is_the_runs_context(hf_dir):
+    """model.max_seq_len is what the wave gate holds prompt + completion to. A model directory with a
+    longer context of its own once kept (and sampled) prompts that fit the model but not max_seq_len,
+    and episodes grew to the model's context: the first wave that drew one failed the gate. The room,
+    and the engine that samples episodes, work within max_seq_len."""
+    from ratchet.config import NightlyConfig
+    from ratchet.model import prompt_room
+    from ratchet.train.session import load_engine
+
+    _, path = hf_dir
+    cfg = ModelConfig(path=str(path), max_seq_len=CONTEXT // 2, device="cpu")
+    assert load_engine(path, NightlyConfig(model=cfg)).context == CONTEXT // 2
+    room = prompt_room(cfg, 12)
+    prompt = "def f(x):\n" + "x = 1\n" * 60
+    (tokens,) = room.tokens([prompt])
+    assert CONTEXT // 2 < tokens + 12 <= CONTEXT
+    assert room.why(tokens) == f"prompt is {tokens} tokens + max_new_tokens 12, over model.max_seq_len of {CONTEXT // 2} tokens"
+    wide = prompt_room(cfg.model_copy(update={"max_seq_len": CONTEXT}), 12)
+    assert wide.context == CONTEXT and wide.why(tokens) is None
+
+
 @pytest.mark.parametrize("turns", [1, 2])
 def test_the_engines_context_error_names_the_task(hf_dir, turns):
     """The engine's check stays as the last guard; evaluation (single- and multi-turn) names the task."""
@@ -235,7 +256,7 @@ def test_the_engines_context_error_names_the_task(hf_dir, turns):
     from ratchet.train.session import load_engine
 
     _, path = hf_dir
-    engine = load_engine(path, NightlyConfig(model=ModelConfig(path=str(path), device="cpu")))
+    engine = load_engine(path, NightlyConfig(model=ModelConfig(path=str(path), max_seq_len=CONTEXT, device="cpu")))
     specs = [_fn_spec("short", "def f(x):\n"), _fn_spec("imported-x/long", "x = 1\n" * 400)]
     with pytest.raises(ValueError, match=r"^task imported-x/long \(prompt 1\): \d+ tokens \+ max_new_tokens 8 exceed "
                                          f"the model's context of {CONTEXT} tokens"):
