@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args)
     from ratchet import stages
-    from ratchet.model import load_policy, save_policy
-    from ratchet.rollout.torch_engine import TorchEngine
+    from ratchet.model import save_policy
     from ratchet.scratch import scratch_dir
     from ratchet.train.checkpoint import load_latest, save_checkpoint
     from ratchet.train.deepspeed_trainer import DeepSpeedTrainer, init_distributed
+    from ratchet.train.session import load_engine
 
     store = open_store(cfg.store)
     wave_key = f"runs/{args.run_id}/waves/{args.step:06d}/scored.parquet"
@@ -119,14 +119,15 @@ def main(argv: list[str] | None = None) -> dict:
         init_distributed()                                   # after the checks: every rank refuses alike
         dist = torch.distributed
         rank, world = dist.get_rank(), dist.get_world_size()
-        model, tokenizer = load_policy(path)
+        engine = load_engine(path, cfg)                     # the run's: its dtype, and prompts as its rollouts encode them
+        model, tokenizer = engine.model, engine.tokenizer
         state, restored = _trainer_state(path, rank, world)
         trainer = DeepSpeedTrainer(model, tokenizer.pad_token_id, cfg.train, cfg.rl, temperature=cfg.rollout.temperature)
         if state is not None:
             trainer.load_state_dict(state)
 
     frame = store.read_table(wave_key)
-    samples = trainer.assign_advantages(stages.train_samples(frame, TorchEngine(model, tokenizer).encode_prompts, cfg))
+    samples = trainer.assign_advantages(stages.train_samples(frame, engine.encode_prompts, cfg))
     mine, cut = shard_groups(samples, rank, world)
     metrics = trainer.train_wave(mine) if mine else {"train_samples": 0, "optimizer_steps": 0}
 
