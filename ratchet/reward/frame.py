@@ -78,11 +78,13 @@ def episode_reward(final: float | None, turns: list[dict], turn_penalty: float =
 
 def _unless_repeated(reward: float | None, turns: list[dict], k: int, repeat_reward: float | None) -> float | None:
     """Answer k's (0-based) reward, or `repeat_reward` when it is set and the answer repeats the failed
-    answer before it; None (env_error) stays None."""
+    answer before it (an empty one, as in `row_reward`, never above 0); None (env_error) stays None."""
     if reward is None or repeat_reward is None or k == 0:
         return reward
-    before = turns[k - 1]
-    return repeat_reward if not before["passed"] and repeats(turns[k]["action"], before["action"]) else reward
+    before, action = turns[k - 1], turns[k]["action"]
+    if before["passed"] or not repeats(action, before["action"]):
+        return reward
+    return repeat_reward if action.strip() else min(repeat_reward, 0.0)
 
 
 def turn_states(turns: list[dict], max_turns: int, turn_penalty: float = 0.0) -> list[float]:

@@ -75,6 +75,9 @@ def test_repeat_reward_replaces_the_partial_credit_of_a_repeated_failure():
     # a repeat of an answer that passed (episodes that go on after a pass) is not a spent turn
     again = trajectories_frame([episode(0, [a, a], [1.0, 1.0])])
     assert score_frame(again, logic, CFG, repeat_reward=0.0)["reward"].to_list() == [1.0]
+    # an empty answer never scores above 0, a repeated one included (the wave gate checks it)
+    empty = score_frame(trajectories_frame([episode(0, ["", " \n"], [0.0, 0.0])]), logic, CFG, repeat_reward=0.2)
+    assert turn_rewards(empty) == [[0.0, 0.0]] and empty["reward"].to_list() == [0.0]
 
 
 def test_score_frame_empty_completion_never_scores_above_zero():
