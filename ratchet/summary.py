@@ -47,6 +47,10 @@ def end_attempt(store: ArtifactStore, run_id: str, attempt: int, outcome: str) -
     a = attempts[attempt]
     a.update(ended_at=_now(), wall_s=round(time.time() - a["_t0"], 1), outcome=outcome.splitlines()[0][:500])
     store.put_json(f"runs/{run_id}/attempts.json", attempts)
+    key = f"runs/{run_id}/summary.json"
+    if store.exists(key):   # written while the attempt ran (a run its health check stopped): closed there too
+        summary = store.get_json(key)
+        store.put_json(key, {**summary, **_attempt_fields(attempts)})
     return a
 
 
@@ -62,7 +66,11 @@ def history(store: ArtifactStore, run_id: str, steps: int) -> list[dict]:
 
 def write_summary(store: ArtifactStore, run_id: str, fields: dict, steps: int) -> tuple[Ref, dict]:
     """summary.json: `fields` + the whole history + every attempt + total wall time."""
-    attempts = [{k: v for k, v in a.items() if not k.startswith("_")} for a in _attempts(store, run_id)]
-    summary = {**fields, "history": history(store, run_id, steps), "attempts": attempts,
-               "wall_s": round(sum(a["wall_s"] or 0.0 for a in attempts), 1)}
+    summary = {**fields, "history": history(store, run_id, steps), **_attempt_fields(_attempts(store, run_id))}
     return store.put_json(f"runs/{run_id}/summary.json", summary), summary
+
+
+def _attempt_fields(attempts: list[dict]) -> dict:
+    """summary.json's `attempts` (without private keys) and their total `wall_s`."""
+    public = [{k: v for k, v in a.items() if not k.startswith("_")} for a in attempts]
+    return {"attempts": public, "wall_s": round(sum(a["wall_s"] or 0.0 for a in public), 1)}

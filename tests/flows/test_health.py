@@ -34,6 +34,8 @@ def test_a_tripped_monitor_stops_the_run_before_promotion(prefect_harness, tmp_p
     assert [h["step"] for h in summary["history"]] == [0, 1]
     [attempt] = store.get_json("runs/sick/attempts.json")
     assert attempt["outcome"].startswith("failed: HealthCheckFailed: entropy collapse at wave 1: sampled_entropy")
+    [closed] = summary["attempts"]                                          # closed in the summary too
+    assert closed["outcome"] == attempt["outcome"] and summary["wall_s"] == closed["wall_s"] == attempt["wall_s"] > 0
     # stopped before the final evaluation and promotion: nothing promoted, no checkpoint past v0
     assert store.get_pointer("models/promoted/INCUMBENT") is None
     assert [k for k in store.list("runs/sick/checkpoints/") if k.endswith("MANIFEST.json")] == [
