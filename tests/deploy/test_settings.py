@@ -52,6 +52,7 @@ def no_s3(monkeypatch):
 def test_the_flows_name_a_missing_s3_setting_before_any_work(no_s3, tmp_path, monkeypatch):
     """A worker without the S3 settings: one error naming them, from each flow, nothing written."""
     from flows.audit_envs import audit_envs_flow
+    from flows.niah import niah
     from flows.nightly import nightly
     from flows.produce_envs import produce_envs_flow
 
@@ -59,7 +60,8 @@ def test_the_flows_name_a_missing_s3_setting_before_any_work(no_s3, tmp_path, mo
     store = StoreConfig(uri="s3://ratchet/prod")
     for run in (lambda: nightly.fn(NightlyConfig(store=store)),
                 lambda: audit_envs_flow.fn(store=store),
-                lambda: produce_envs_flow.fn(EnvsConfig(), store)):
+                lambda: produce_envs_flow.fn(EnvsConfig(), store),
+                lambda: niah.fn(None, store=store)):
         with pytest.raises(SettingsError) as e:
             run()
         assert e.value.problems == [
