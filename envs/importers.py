@@ -16,7 +16,8 @@ has a default:
   by a hash of the task_id: stable across runs and file orders).
 
 A bad line (malformed JSON, not an object, missing or mistyped fields, a task the verifier
-cannot run or a family that cannot name a store folder (`envs.spec`), a duplicate task_id) gets
+cannot run, a reward_logic the scorer refuses (an unknown metric, a missing threshold) or a
+family that cannot name a store folder (`envs.spec`), a duplicate task_id) gets
 every error at once, each naming the file, the line and the field path;
 `BadLine.message()` has one line per error (`tasks.jsonl:3: field 'reward_logic.rules.0.weight':
 Input should be a valid number`), so a person fixes the line in one pass and grep finds each.

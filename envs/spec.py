@@ -14,8 +14,10 @@ Users hand ratchet a JSONL of these (`ratchet envs import`); families produce th
 from __future__ import annotations
 
 import json
+import math
 import re
-from typing import Annotated, Any, Literal, Sequence, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Sequence, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -92,11 +94,15 @@ class CheckCalls(_Spec):
 Step = Annotated[Union[OverwriteFile, RunCommand, CheckCalls], Field(discriminator="action")]
 
 
+Aggregation = Literal["max", "min", "mean", "last"]
+
+
 class RewardRule(_Spec):
     metric: str = Field(min_length=1, description="Verifier metric, e.g. test_pass_rate, execution_time_ms.")
-    weight: float = Field(gt=0, strict=True, description="Weight in the composite's weighted mean.")
-    aggregation: Literal["max", "min", "mean", "last"] = Field("mean", description="How repeated measurements reduce to one.")
-    threshold: float | None = Field(None, gt=0, strict=True, description="Scale of a lower-is-better metric: score = clip(1 - v/threshold, 0, 1).")
+    weight: float = Field(gt=0, strict=True, allow_inf_nan=False, description="Weight in the composite's weighted mean.")
+    aggregation: Aggregation = Field("mean", description="How repeated measurements reduce to one.")
+    threshold: float | None = Field(None, gt=0, strict=True, allow_inf_nan=False,
+                                    description="Scale of a lower-is-better metric: score = clip(1 - v/threshold, 0, 1).")
 
 
 class RewardLogic(_Spec):
@@ -104,6 +110,86 @@ class RewardLogic(_Spec):
     rules: tuple[RewardRule, ...] = Field(
         (RewardRule(metric="test_pass_rate", weight=1.0, aggregation="max"),), min_length=1
     )
+
+
+# The metric registry: every verifier metric a reward rule may name, and its kind (how
+# `ratchet.reward.metrics` scores it). It lives here, below the reward layer, so that a rule
+# naming an unknown metric or misusing one is a bad task line at import, not a wave that
+# cannot be scored. A new metric is one `register_metric(...)` line.
+KINDS = ("fraction", "flag", "bad_flag", "cost", "count", "no_flags")
+DIMENSIONS = ("completion", "format", "security", "efficiency")
+_NEEDS_THRESHOLD = {"cost", "count"}
+
+
+class RewardLogicError(SpecError):
+    """A reward_logic names a metric or aggregation ratchet does not know, or misuses one."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    kind: str        # one of KINDS
+    dimension: str   # one of DIMENSIONS
+    doc: str
+
+
+METRICS: dict[str, Metric] = {}
+
+
+def register_metric(name: str, kind: str, dimension: str, doc: str) -> Metric:
+    if kind not in KINDS or dimension not in DIMENSIONS:
+        raise ValueError(f"metric {name!r}: kind must be one of {KINDS}, dimension one of {DIMENSIONS}")
+    METRICS[name] = Metric(name, kind, dimension, doc)
+    return METRICS[name]
+
+
+def validate_rule(rule: RewardRule, loc: tuple[str | int, ...] = ("rule",)) -> Metric:
+    """The rule's Metric, or RewardLogicError naming the rule's field (`loc`: the rule's own path)."""
+    metric = METRICS.get(rule.metric)
+    if metric is None:
+        raise RewardLogicError(((*loc, "metric"), f"unknown metric {rule.metric!r}; known metrics: {sorted(METRICS)}"))
+    if rule.aggregation not in get_args(Aggregation):
+        raise RewardLogicError(((*loc, "aggregation"), f"unknown aggregation {rule.aggregation!r} for metric "
+                                                       f"{rule.metric!r}; known: {sorted(get_args(Aggregation))}"))
+    if metric.kind in _NEEDS_THRESHOLD and rule.threshold is None:
+        raise RewardLogicError(((*loc, "threshold"), f"metric {rule.metric!r} ({metric.kind}) needs a threshold, "
+                                                     f"e.g. {{\"metric\": \"{rule.metric}\", \"threshold\": 5000}}"))
+    if metric.kind not in _NEEDS_THRESHOLD and rule.threshold is not None:
+        raise RewardLogicError(((*loc, "threshold"), f"metric {rule.metric!r} ({metric.kind}) takes no threshold, "
+                                                     f"got {rule.threshold}"))
+    if not 0 < rule.weight < math.inf:
+        raise RewardLogicError(((*loc, "weight"), f"weight of metric {rule.metric!r} must be a finite number > 0, "
+                                                  f"got {rule.weight}"))
+    return metric
+
+
+def validate_logic(logic: RewardLogic, loc: tuple[str | int, ...] = ("reward_logic",)) -> RewardLogic:
+    """Check every rule against the registry; returns `logic` unchanged, or raises RewardLogicError
+    naming each bad rule (`reward_logic.rules.1.metric: unknown metric ...`)."""
+    if logic.type != "composite":
+        raise RewardLogicError(((*loc, "type"), f"unknown type {logic.type!r}; known: ['composite']"))
+    if not logic.rules:
+        raise RewardLogicError(((*loc, "rules"), "at least one rule is needed"))
+    errors = []
+    for i, rule in enumerate(logic.rules):
+        try:
+            validate_rule(rule, (*loc, "rules", i))
+        except RewardLogicError as e:
+            errors += e.errors
+    if errors:
+        raise RewardLogicError(*errors)
+    return logic
+
+
+register_metric("test_pass_rate", "fraction", "completion", "hidden tests passed / total")
+register_metric("tests_passed", "count", "completion", "hidden tests passed (threshold: how many make full credit)")
+register_metric("syntax_ok", "flag", "format", "the solution file parses (an empty completion does not count)")
+register_metric("format_ok", "flag", "format", "the completion is non-empty, parseable code")
+register_metric("timed_out", "bad_flag", "efficiency", "the run hit its wall-clock limit")
+register_metric("execution_time_ms", "cost", "efficiency", "wall-clock time of the run, ms")
+register_metric("peak_memory_mb", "cost", "efficiency", "peak memory of the run, MB")
+register_metric("output_bytes", "cost", "efficiency", "bytes written to stdout + stderr")
+register_metric("security_flags", "no_flags", "security", "what the sandbox refused or noticed; empty is good")
 
 
 class CallTest(_Spec):
@@ -200,6 +286,12 @@ class TaskSpec(_Spec):
     def _one_judge(cls, v: tuple[Step, ...]) -> tuple[Step, ...]:
         judge_step(v)
         return v
+
+    @field_validator("reward_logic")
+    @classmethod
+    def _scorable(cls, v: RewardLogic) -> RewardLogic:
+        """The scorer's rules: a rule it would refuse must not wait for the wave that scores it."""
+        return validate_logic(v, loc=())
 
     @field_validator("metadata")
     @classmethod

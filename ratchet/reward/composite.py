@@ -20,9 +20,9 @@ So every reward lies in [min(0, timeout_reward, security_penalty), max(1, timeou
 
 from __future__ import annotations
 
-from envs.spec import RewardLogic, RewardRule
+from envs.spec import METRICS, RewardLogic, RewardRule, validate_logic
 from ratchet.config import RewardConfig
-from ratchet.reward.metrics import METRICS, flag_runs, measurements, metric_score, penalised_flags, validate_logic
+from ratchet.reward.metrics import flag_runs, measurements, metric_score, penalised_flags
 
 _GATED = {"efficiency", "security"}
 

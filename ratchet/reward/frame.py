@@ -20,9 +20,8 @@ from __future__ import annotations
 import polars as pl
 
 from envs.episode import repeats
-from envs.spec import RewardLogic
+from envs.spec import RewardLogic, validate_logic
 from ratchet.config import RewardConfig
-from ratchet.reward.metrics import validate_logic
 from ratchet.reward.composite import score
 
 
@@ -48,7 +47,7 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
         try:
             validate_logic(logic_by_task[task_id])
         except ValueError as e:
-            raise type(e)(f"task {task_id!r}: {e}") from e
+            raise ValueError(f"task {task_id!r}: {e}") from e
     rows = frame.select("task_id", "completion", "metrics", "env_error", "turns").to_dicts()
     rewards = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
     episodic = [r for r in rows if r["turns"] and r["turns"][0]["metrics"] is not None]

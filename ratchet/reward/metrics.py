@@ -1,7 +1,9 @@
-"""The metric registry: every verifier metric a reward rule may name, and how it scores.
+"""How each verifier metric a reward rule may name scores.
 
-    validate_logic(spec.reward_logic)          # RewardLogicError naming the rule and metric
     s = metric_score(rule, metrics)            # one rule's score in [0, 1]
+
+The registry itself (METRICS, register_metric, validate_logic) is `envs.spec`'s, so that the
+task schema refuses a rule that names a metric wrongly at import, not when a wave is scored.
 
 A metric value may be a scalar (one run) or a list (several runs or turns); the rule's
 `aggregation` reduces the list to one value first (max, min, mean, last). Then the metric's
@@ -22,35 +24,15 @@ reported; the others are penalised (`FLAGS`; a flag not registered there is pena
 
 Each metric also belongs to a reward dimension (completion, format, security, efficiency);
 `ratchet.reward.composite` scores efficiency and security rules 0 when no test passed. A new
-metric is one `register_metric(...)` line.
+metric of one of these kinds is one `register_metric(...)` line in `envs/spec.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from statistics import fmean
 from typing import Any, Callable
 
-from envs.spec import RewardLogic, RewardRule
-
-KINDS = ("fraction", "flag", "bad_flag", "cost", "count", "no_flags")
-DIMENSIONS = ("completion", "format", "security", "efficiency")
-_NEEDS_THRESHOLD = {"cost", "count"}
-
-
-class RewardLogicError(ValueError):
-    """A reward_logic names a metric or aggregation ratchet does not know, or misuses one."""
-
-
-@dataclass(frozen=True)
-class Metric:
-    name: str
-    kind: str        # one of KINDS
-    dimension: str   # one of DIMENSIONS
-    doc: str
-
-
-METRICS: dict[str, Metric] = {}
+from envs.spec import METRICS, RewardRule, validate_rule
 
 FLAGS: dict[str, bool] = {}
 """security flag -> penalised? (unregistered flags are penalised)."""
@@ -63,13 +45,6 @@ AGGREGATIONS: dict[str, Callable[[list], Any]] = {
 }
 
 
-def register_metric(name: str, kind: str, dimension: str, doc: str) -> Metric:
-    if kind not in KINDS or dimension not in DIMENSIONS:
-        raise ValueError(f"metric {name!r}: kind must be one of {KINDS}, dimension one of {DIMENSIONS}")
-    METRICS[name] = Metric(name, kind, dimension, doc)
-    return METRICS[name]
-
-
 def register_flag(name: str, penalised: bool) -> None:
     FLAGS[name] = penalised
 
@@ -77,36 +52,6 @@ def register_flag(name: str, penalised: bool) -> None:
 def penalised_flags(flags: list[str]) -> list[str]:
     """The flags that cost reward: every flag except those registered as reported-only."""
     return [f for f in flags if FLAGS.get(f, True)]
-
-
-def validate_rule(rule: RewardRule, where: str = "rule") -> Metric:
-    """The rule's Metric, or RewardLogicError naming what is wrong."""
-    metric = METRICS.get(rule.metric)
-    if metric is None:
-        raise RewardLogicError(f"{where}: unknown metric {rule.metric!r}; known metrics: {sorted(METRICS)}")
-    if rule.aggregation not in AGGREGATIONS:
-        raise RewardLogicError(f"{where}: unknown aggregation {rule.aggregation!r} for metric {rule.metric!r}; "
-                               f"known: {sorted(AGGREGATIONS)}")
-    if metric.kind in _NEEDS_THRESHOLD and rule.threshold is None:
-        raise RewardLogicError(f"{where}: metric {rule.metric!r} ({metric.kind}) needs a threshold, "
-                               f"e.g. {{\"metric\": \"{rule.metric}\", \"threshold\": 5000}}")
-    if metric.kind not in _NEEDS_THRESHOLD and rule.threshold is not None:
-        raise RewardLogicError(f"{where}: metric {rule.metric!r} ({metric.kind}) takes no threshold, "
-                               f"got {rule.threshold}")
-    if not rule.weight > 0:
-        raise RewardLogicError(f"{where}: weight of metric {rule.metric!r} must be > 0, got {rule.weight}")
-    return metric
-
-
-def validate_logic(logic: RewardLogic) -> RewardLogic:
-    """Check every rule against the registry; returns `logic` unchanged, or raises RewardLogicError."""
-    if logic.type != "composite":
-        raise RewardLogicError(f"reward_logic.type: unknown type {logic.type!r}; known: ['composite']")
-    if not logic.rules:
-        raise RewardLogicError("reward_logic.rules: at least one rule is needed")
-    for i, rule in enumerate(logic.rules):
-        validate_rule(rule, where=f"reward_logic.rules[{i}]")
-    return logic
 
 
 def measurements(value: Any) -> list:
@@ -155,16 +100,6 @@ def metric_score(rule: RewardRule, metrics: dict) -> float:
         return _clip01(1.0 - float(v) / rule.threshold)
     return _clip01(float(v) / rule.threshold)  # count
 
-
-register_metric("test_pass_rate", "fraction", "completion", "hidden tests passed / total")
-register_metric("tests_passed", "count", "completion", "hidden tests passed (threshold: how many make full credit)")
-register_metric("syntax_ok", "flag", "format", "the solution file parses (an empty completion does not count)")
-register_metric("format_ok", "flag", "format", "the completion is non-empty, parseable code")
-register_metric("timed_out", "bad_flag", "efficiency", "the run hit its wall-clock limit")
-register_metric("execution_time_ms", "cost", "efficiency", "wall-clock time of the run, ms")
-register_metric("peak_memory_mb", "cost", "efficiency", "peak memory of the run, MB")
-register_metric("output_bytes", "cost", "efficiency", "bytes written to stdout + stderr")
-register_metric("security_flags", "no_flags", "security", "what the sandbox refused or noticed; empty is good")
 
 for _flag in ("network_attempt", "signal_attempt", "fork_limit", "daemon_left",      # sandbox: misbehaviour
               "special_cased_examples", "inconsistent_test_report"):                # verifier: hacking

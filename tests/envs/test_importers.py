@@ -196,6 +196,33 @@ def test_one_error_per_problem_and_no_coercion():
     assert whole.difficulty == 2 and type(whole.difficulty) is int
 
 
+def test_reward_logic_the_scorer_refuses_is_a_bad_line_at_import():
+    """The metric registry's rules are the schema's (found by review: a typo'd metric imported cleanly and
+    `ratchet verify` then died scoring the whole batch); weights and thresholds must be finite."""
+    def logic(task_id, *rules):
+        return GOOD | {"task_id": task_id, "reward_logic": {"rules": list(rules)}}
+
+    ok = {"metric": "test_pass_rate", "weight": 1}
+    res = parse_lines(lines(
+        logic("typo", {"metric": "test_pass_rat", "weight": 1}),
+        logic("no_threshold", ok, {"metric": "execution_time_ms", "weight": 1}),
+        logic("extra_threshold", {"metric": "test_pass_rate", "weight": 1, "threshold": 5}),
+        '{"task_id": "inf", "prompt": "p", "execution_steps": [{"action": "check_calls", "entry_point": "f"}], '
+        '"reward_logic": {"rules": [{"metric": "execution_time_ms", "weight": Infinity, "threshold": NaN}]}}',
+        logic("ok", ok, {"metric": "execution_time_ms", "weight": 0.5, "threshold": 5000}),
+    ), source="t.jsonl")
+    assert [s.task_id for s in res.specs] == ["ok"] and res.lines == [5]
+    assert [m for b in res.bad for m in b.messages()] == [
+        "t.jsonl:1: field 'reward_logic.rules.0.metric': unknown metric 'test_pass_rat'; known metrics: "
+        "['execution_time_ms', 'format_ok', 'output_bytes', 'peak_memory_mb', 'security_flags', 'syntax_ok', "
+        "'test_pass_rate', 'tests_passed', 'timed_out']",
+        "t.jsonl:2: field 'reward_logic.rules.1.threshold': metric 'execution_time_ms' (cost) needs a threshold, "
+        'e.g. {"metric": "execution_time_ms", "threshold": 5000}',
+        "t.jsonl:3: field 'reward_logic.rules.0.threshold': metric 'test_pass_rate' (fraction) takes no threshold, got 5.0",
+        "t.jsonl:4: field 'reward_logic.rules.0.weight': Input should be a finite number (got Infinity)",
+        "t.jsonl:4: field 'reward_logic.rules.0.threshold': Input should be a finite number (got NaN)"]
+
+
 def test_cli_quarantines_a_bad_family_and_imports_parquet(tmp_path):
     """A line's family never reaches the store's paths; a Parquet task table imports as `run --tasks` reads it."""
     import polars as pl

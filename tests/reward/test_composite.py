@@ -156,7 +156,7 @@ def test_unknown_or_misused_metric_is_a_clear_error(bad, named):
     logic = RewardLogic(rules=(rule("test_pass_rate"), bad))
     with pytest.raises(RewardLogicError, match=named) as e:
         validate_logic(logic)
-    assert "rules[1]" in str(e.value)
+    assert "reward_logic.rules.1." in str(e.value)
     with pytest.raises(RewardLogicError):
         score(m(), logic, CFG)
 
