@@ -2,7 +2,8 @@
 
 A spec says what the model is asked (`prompt`), the runtime it runs in
 (`environment_config`), what is done with its completion (`execution_steps`, where the
-literal `<model_generated_code>` is replaced by the completion), how the outcome becomes a
+literal `<model_generated_code>` is replaced by the completion; a check_calls task that writes
+no .py file runs the completion itself as the module), how the outcome becomes a
 reward (`reward_logic`), and the hidden material the model never sees (`tests`,
 `test_files`, `reference_solution`). `reference_solution` is None when the spec carries no
 reference (a user's task file need not have one); code that runs or trains on the reference
@@ -213,6 +214,24 @@ def judge_step(steps: Sequence[Step]) -> CheckCalls | RunCommand:
     return judges[0]
 
 
+def module_step(steps: Sequence[Step]) -> OverwriteFile | None:
+    """The module check_calls imports: the first .py file an overwrite_file writes (None: the
+    completion itself is the module)."""
+    return next((s for s in steps if isinstance(s, OverwriteFile) and s.path.endswith(".py")), None)
+
+
+def answer_lands(steps: Sequence[Step]) -> None:
+    """The completion reaches what judges it: some overwrite_file holds COMPLETION, or a check_calls
+    task writes no .py file (the completion is the module). Otherwise the verifier would judge the
+    files as written and discard every answer (a typo such as `<model_generated_code >`)."""
+    if any(isinstance(s, OverwriteFile) and COMPLETION in s.content for s in steps):
+        return
+    if isinstance(judge_step(steps), CheckCalls) and module_step(steps) is None:
+        return
+    raise SpecError(((), f"no overwrite_file step's content holds {COMPLETION} (spelled exactly), "
+                         "so the model's answer would go nowhere"))
+
+
 def tolerance_of(metadata: dict) -> float | None:
     """`metadata["float_tolerance"]`, the verifier's tolerance for floats (None: results must be equal)."""
     tol = metadata.get("float_tolerance")
@@ -285,6 +304,7 @@ class TaskSpec(_Spec):
     @classmethod
     def _one_judge(cls, v: tuple[Step, ...]) -> tuple[Step, ...]:
         judge_step(v)
+        answer_lands(v)
         return v
 
     @field_validator("reward_logic")

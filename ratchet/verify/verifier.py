@@ -48,7 +48,7 @@ from typing import Callable
 from envs.runtime import resolve
 from envs.source import parse_python
 from envs.spec import (COMPLETION, NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand,
-                        TaskSpec, for_task, judge_step, tolerance_of)
+                        TaskSpec, for_task, judge_step, module_step, tolerance_of)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -154,11 +154,9 @@ def solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
 
 def _solution_source(spec: TaskSpec, completion: str) -> str:
     """The module the call harness imports: the first overwritten .py file (the answer's own, or a
-    task's check.py that runs a non-Python answer, as the shell family's does)."""
-    for step in spec.with_completion(completion):
-        if isinstance(step, OverwriteFile) and step.path.endswith(".py"):
-            return step.content
-    return completion
+    task's check.py that runs a non-Python answer, as the shell family's does), else the completion."""
+    step = module_step(spec.with_completion(completion))
+    return completion if step is None else step.content
 
 
 def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:

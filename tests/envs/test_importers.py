@@ -166,6 +166,29 @@ def test_a_task_the_verifier_cannot_run_is_a_bad_line_at_import():
         visible_tests(bad)
 
 
+def test_a_task_that_would_discard_the_answer_is_a_bad_line_at_import():
+    """Found by review: with `<model_generated_code >` the verifier imported solution.py as written and
+    threw every answer away, and the audit passed the task. The answer must reach the judge: an
+    overwrite_file holds the placeholder, or a check_calls task writes no .py file (the answer is the module)."""
+    write = GOOD["execution_steps"][0]
+    typo = write | {"content": "def f(x):\n<model_generated_code >\n"}
+    res = parse_lines(lines(
+        GOOD | {"task_id": "typo", "execution_steps": [typo, {"action": "check_calls", "entry_point": "f"}]},
+        GOOD | {"task_id": "cmd", "execution_steps": [{"action": "run_command", "command": "pytest"}]},
+        GOOD | {"task_id": "cmd2", "execution_steps": [write | {"path": "main.py", "content": "x = 1\n"},
+                                                        {"action": "run_command", "command": "pytest"}]},
+        GOOD | {"task_id": "module", "execution_steps": [{"action": "check_calls", "entry_point": "f"}]},
+        GOOD | {"task_id": "data", "execution_steps": [write | {"path": "data.txt", "content": "1\n"},
+                                                        {"action": "check_calls", "entry_point": "f"}]},
+        GOOD | {"task_id": "checker", "execution_steps": [write | {"path": "answer.txt", "content": "<model_generated_code>"},
+                                                           write | {"content": "def f(x):\n    return 1\n"},
+                                                           {"action": "check_calls", "entry_point": "f"}]},
+    ), source="t.jsonl")
+    assert [s.task_id for s in res.specs] == ["module", "data", "checker"]
+    why = "no overwrite_file step's content holds <model_generated_code> (spelled exactly), so the model's answer would go nowhere"
+    assert [m for b in res.bad for m in b.messages()] == [f"t.jsonl:{n}: field 'execution_steps': {why}" for n in (1, 2, 3)]
+
+
 def test_a_lines_own_family_must_name_a_store_folder():
     """The rule `--family` gets: a line's family is the snapshot's folder (envs/<family>/...)."""
     res = parse_lines(lines(*(GOOD | {"task_id": f"t{i}", "family": f} for i, f in
