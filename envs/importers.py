@@ -202,7 +202,8 @@ def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", f
 
 
 def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+    """utf-8-sig: a BOM at the start (Windows editors write one) is not part of line 1."""
+    return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
 
 
 def read_tasks(path: str | Path, fmt: str = "taskspec", family: str | None = None, split: str | None = None) -> ImportResult:

@@ -133,7 +133,7 @@ def source_lines(source: str, data: bytes) -> list[str]:
     if b"\x00" in data:
         raise SourceError(f"task source {source!r}: a binary file, expected JSONL text")
     try:
-        return data.decode("utf-8").split("\n")
+        return data.decode("utf-8-sig").split("\n")     # -sig: a BOM (Windows editors write one) is not line 1's
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise SourceError(f"task source {source!r}: not UTF-8 text (byte 0x{data[e.start]:02x} at line {line})") from None

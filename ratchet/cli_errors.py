@@ -51,7 +51,8 @@ def read_bytes(path: Path, what: str = "file") -> bytes:
 
 
 def read_text(path: Path, what: str = "file") -> str:
-    """A UTF-8 text file (gunzipped if it ends in .gz), or fail naming why not."""
+    """A UTF-8 text file (gunzipped if it ends in .gz; a leading BOM, as Windows editors write, dropped),
+    or fail naming why not."""
     path = Path(path)
     data = read_bytes(path, what)
     if path.suffix == ".gz":
@@ -62,7 +63,7 @@ def read_text(path: Path, what: str = "file") -> str:
     if b"\x00" in data:
         fail(f"{what} is a binary file, expected text", path)
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         fail(f"{what} is not UTF-8 text: {_where_in(data, e)}", path)
 

@@ -269,6 +269,15 @@ def test_good_settings_reach_the_flow(files, no_flow):
     assert json.loads(res.stdout.strip().splitlines()[-1])["run_id"] == "ok-1.a_b"
 
 
+def test_a_config_with_a_byte_order_mark_is_read(files, no_flow):
+    """Found by review: a config saved by a Windows editor (UTF-8 with BOM) was rejected as malformed JSON."""
+    cfg = Path(files["dir"]) / "bom.json"
+    cfg.write_bytes(b"\xef\xbb\xbf" + json.dumps({"steps": 2}).encode())
+    res = CliRunner().invoke(app, ["run", "--config", str(cfg), "--store", files["store"]])
+    assert res.exit_code == 0, res.output
+    assert [c.steps for c in no_flow] == [2]
+
+
 def test_tasks_files_become_sources_of_the_run(files, no_flow, monkeypatch):
     """`--tasks` (repeatable) adds to the config's envs.sources, relative paths made absolute."""
     cfg = Path(files["dir"]) / "with_source.json"

@@ -268,6 +268,16 @@ def test_cli_quarantines_a_bad_family_and_imports_parquet(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith("error: task file is not a readable Parquet file"), res.output
 
 
+def test_a_byte_order_mark_is_not_part_of_line_one(tmp_path):
+    """Found by review: a BOM (Windows editors write one) made line 1 "Unexpected UTF-8 BOM", in
+    `read_tasks` and in `ratchet envs import` / `ratchet verify`, which read the file whole."""
+    text = "\ufeff" + "\n".join(lines(GOOD, GOOD | {"task_id": "t2"})) + "\n"
+    (tmp_path / "t.jsonl").write_text(text, encoding="utf-8")
+    assert [s.task_id for s in read_tasks(tmp_path / "t.jsonl").specs] == ["t1", "t2"]
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "t.jsonl"), "--store", str(tmp_path / "store")])
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 2, res.output
+
+
 def test_humaneval_fields_and_quarantine_file(tmp_path):
     he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
           "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}

@@ -166,6 +166,14 @@ def test_unreadable_sources_say_why(tmp_path):
             parse_source(path, read_source(path))
 
 
+def test_a_byte_order_mark_is_not_part_of_line_one():
+    """Found by review: a BOM (Windows editors write one) made line 1 malformed JSON."""
+    objs = [task("a", "def f(x): add one", split="train"), task("b", "def f(x): add two", split="train")]
+    for source, data in (("s.jsonl", b"\xef\xbb\xbf" + jsonl(*objs)), ("s.jsonl.gz", gzip.compress(b"\xef\xbb\xbf" + jsonl(*objs)))):
+        res, _ = parse_source(source, data)
+        assert res.bad == [] and [s.task_id for s in res.specs] == ["imported-s/a", "imported-s/b"], source
+
+
 def test_gzip_and_parquet_sources_import_the_same_tasks(tmp_path):
     objs = [task("a", "def f(x): add one", split="train", difficulty=2), task("b", "def f(x): add two", split="heldout")]
     plain = import_source("s.jsonl", jsonl(*objs), EnvsConfig())
