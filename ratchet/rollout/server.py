@@ -39,7 +39,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ratchet.errors import picklable
 from ratchet.model import load_policy
@@ -61,7 +61,7 @@ class CompletionRequest(BaseModel):
     max_tokens: int = Field(16, ge=1, le=65536)
     temperature: float = Field(1.0, ge=0, le=5.0, description="0 = greedy.")
     n: int = Field(1, ge=1, le=1024)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1, description="What torch.Generator takes: -2**63 to 2**64 - 1.")
     stop: str | list[str] | None = None
     logprobs: int | None = Field(None, ge=0, le=5, description="0: the chosen tokens' log-probs (> 0: not served).")
     return_token_ids: bool = False
@@ -72,6 +72,18 @@ class CompletionRequest(BaseModel):
     echo: Literal[False] = False
     top_p: Literal[1, 1.0] = 1.0
     user: str | None = None
+
+    @field_validator("prompt", "stop")
+    @classmethod
+    def _unicode(cls, v: str | list[str] | None) -> str | list[str] | None:
+        """JSON may escape a lone surrogate ("\\ud800"); no tokenizer encodes one, so it is the client's error (400)."""
+        for i, s in enumerate([v] if isinstance(v, str) else v or []):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = "" if isinstance(v, str) else f"string {i}: "
+                raise ValueError(f"{where}a lone surrogate ({s[e.start]!r}) at character {e.start} is not Unicode text") from None
+        return v
 
 
 class LoadRequest(BaseModel):

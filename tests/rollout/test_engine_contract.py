@@ -279,6 +279,11 @@ def test_completions_speak_openai(server, reference):
     ({"prompt": "a", "top_p": 0.9}, "top_p"),
     ({"prompt": "a", "frequency_penalty": 0.5}, "frequency_penalty"),
     (b"{not json", None),
+    # found by review: these were 500s, which HTTPEngine retries as transient
+    ({"prompt": "a", "seed": 2**70}, "seed"),                         # beyond torch.Generator's 64 bits
+    (b'{"prompt": "\\ud800", "max_tokens": 4}', "prompt"),             # a lone surrogate: no tokenizer encodes it
+    (b'{"prompt": ["a", "b\\udc00"]}', "prompt"),
+    (b'{"prompt": "a", "stop": ["\\ud800"]}', "stop"),              # a stop string that could never match, was ignored
 ])
 def test_bad_requests_get_400_with_a_message(server, body, param):
     status, err = _call(server, "/v1/completions", raw=body if isinstance(body, bytes) else json.dumps(body).encode())
@@ -293,6 +298,8 @@ def test_an_unknown_model_is_404_and_the_client_raises(server):
     assert status == 404 and "tiny" in err["error"]["message"]
     with pytest.raises(EngineRequestError, match="400 logprobs"):
         HTTPEngine(server)._post("/v1/completions", {"prompt": "a", "logprobs": 1})
+    with pytest.raises(EngineRequestError, match="400 seed"):       # not a TransientError: never retried
+        HTTPEngine(server).generate(["a"], seed=2**70)
 
 
 def test_load_swaps_the_checkpoint_and_the_version(checkpoints):
