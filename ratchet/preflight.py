@@ -15,7 +15,8 @@ show up minutes (or waves) later, found in a second and reported all at once.
 - run_id: letters, digits, '._-', no '..', at most 128 characters;
 - model.path: a Hugging Face causal LM directory: config.json (JSON, a model_type transformers
   knows, a *ForCausalLM architecture when it names one); weights (a shard index's shards present,
-  each safetensors header readable; no tensor loaded); a tokenizer that loads, no larger than the
+  each safetensors header readable and naming, at their shapes, the weights of the model config.json
+  describes; no tensor loaded); a tokenizer that loads, no larger than the
   model's vocab_size; an EOS token (tokenizer, generation config or config, as the loader resolves
   it); a chat template (if chat_template is "on") that renders a user turn (unless "off"); and a
   context (max_position_embeddings) that holds model.max_seq_len and the completions;
@@ -223,7 +224,7 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
         head = model_header(p)
     except Exception as e:  # noqa: BLE001 - transformers raises ValueError, KeyError, TypeError... for a config it cannot build
         problems.append(f"{where}: transformers cannot load config.json ({_why(e)})")
-    problems += _weights(p, where)
+    problems += _weights(p, where, head)
     if not any((p / name).is_file() for name in TOKENIZER):
         problems.append(f"{where}: no tokenizer files ({', '.join(TOKENIZER)})")
     else:
@@ -265,10 +266,13 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
     return problems
 
 
-def _weights(p: Path, where: str) -> list[str]:
+def _weights(p: Path, where: str, head) -> list[str]:
     """The weights from_pretrained would read (the first of WEIGHTS present, its order): every shard
-    a shard index names exists, and each safetensors file's header reads (no tensor is loaded)."""
+    a shard index names exists, each safetensors file's header reads, and the tensors it names make
+    the model config.json describes (`_fit`; no tensor is loaded)."""
     from safetensors import safe_open
+
+    from ratchet.model import weights_gap
 
     name = next((n for n in WEIGHTS if (p / n).is_file()), None)
     if name is None:
@@ -284,14 +288,54 @@ def _weights(p: Path, where: str) -> list[str]:
         missing = [f for f in files if not (p / f).is_file()]
         if missing:
             return [f"{where}: {name} names {len(missing)} shard(s) not in the directory: {', '.join(missing[:3])}"]
+    shapes = {}
     for f in files:
         if f.endswith(".safetensors"):
             try:
-                with safe_open(str(p / f), framework="pt"):
-                    pass
+                with safe_open(str(p / f), framework="pt") as st:
+                    shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
             except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
                 return [f"{where}: {f} is not a readable safetensors file ({_why(e)})"]
-    return []
+    pickled = not all(f.endswith(".safetensors") for f in files)   # no header to read without unpickling
+    if head is None or pickled or getattr(head.config, "quantization_config", None):
+        return []   # quantized tensors: only the quantizer maps them onto the model's
+    gap = weights_gap(*_fit(head.config, shapes))
+    return [f"{where}: {gap}"] if gap else []
+
+
+def _fit(config, shapes: dict[str, tuple]) -> tuple[set, set, set]:
+    """The (missing, unexpected, mismatched) weights `from_pretrained(..., output_loading_info=True)`
+    reports for files holding tensors of these names and shapes, found against a meta-device model of
+    `config` (no memory) and with transformers' own rules: its key mapping (legacy names, the base
+    model's prefix added or dropped; fused expert weights are matched by name only), tied weights
+    (lm_head may be absent when its embeddings are there) and the model's ignore lists."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.utils.loading_report import LoadStateDictInfo
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    mapping = get_model_conversion_mapping(model)
+    renames, converters = ([m for m in mapping if isinstance(m, kind)] for kind in (WeightRenaming, WeightConverter))
+    present, unexpected, mismatched = set(), set(), set()
+    for key, shape in shapes.items():
+        name, fused = rename_source_key(key, renames, converters, model.base_model_prefix, expected)
+        if name not in expected and key in expected:   # as transformers: a model name is never renamed away
+            name, fused = key, None
+        if name not in expected:
+            unexpected.add(key)
+            continue
+        present.add(name)
+        if fused is None and expected[name] != shape:
+            mismatched.add((name, shape, expected[name]))
+    tied = {name for name, source in model.all_tied_weights_keys.items() if source in present}
+    info = LoadStateDictInfo(missing_keys=set(expected) - present - tied, unexpected_keys=unexpected,
+                             mismatched_keys=mismatched, error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    model._adjust_missing_and_unexpected_keys(info)
+    return info.missing_keys, info.unexpected_keys, info.mismatched_keys
 
 
 def _why(e: Exception) -> str:

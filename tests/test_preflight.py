@@ -89,6 +89,7 @@ def test_model_path(tmp_path, tiny):
 def test_model_dir_that_cannot_be_post_trained(tmp_path, tiny):
     """Each problem of an HF directory is named before the run starts; a non-model dir is one problem."""
     path = _copy(tiny, tmp_path)
+    own = json.loads((tiny / "config.json").read_text())   # the weights' config: a case changes only what it tests
 
     def problems(config, **model):
         (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
@@ -98,14 +99,14 @@ def test_model_dir_that_cannot_be_post_trained(tmp_path, tiny):
     assert problems({"architectures": ["LlamaForCausalLM"]}) == [
         f"model.path {str(path)!r}: config.json names no model_type, so not a Hugging Face model directory"]
     assert "name no causal LM" in problems({"model_type": "bert", "architectures": ["BertForMaskedLM"]})[0]
-    assert problems({"model_type": "llama"}, chat_template="on") == [
+    assert problems(own, chat_template="on") == [
         f"model.chat_template 'on': the tokenizer in {str(path)!r} has no chat template"]
     _edit_json(path / "tokenizer_config.json", chat_template="{{ messages[0]['content'] }}")
-    assert problems({"model_type": "llama"}, chat_template="on") == []
-    assert problems({"model_type": "llama", "max_position_embeddings": 128}, max_seq_len=256) == [
+    assert problems(own, chat_template="on") == []
+    assert problems({**own, "max_position_embeddings": 128}, max_seq_len=256) == [
         f"model.max_seq_len 256 exceeds the model's context of 128 tokens ({path}/config.json)"]
-    assert "leaves no room for a prompt in the model's context of 32" in problems(
-        {"model_type": "gpt2", "n_positions": 32}, max_seq_len=32)[0]
+    gpt2 = problems({"model_type": "gpt2", "n_positions": 32}, max_seq_len=32)   # the Llama weights do not fit it
+    assert "the weights do not fit" in gpt2[0] and "leaves no room for a prompt in the model's context of 32" in gpt2[1]
 
 
 def _no_eos(path: Path) -> None:
@@ -130,6 +131,14 @@ def _truncate(path: Path) -> None:
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
+def _compiled(path: Path) -> None:
+    """A torch.compile'd model's state dict: every name starts with '_orig_mod.'."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    save_file({f"_orig_mod.{k}": v for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
+
+
 # (case, how the good directory is broken, what the one line says after "model.path '<dir>': ")
 BROKEN = [
     ("no-eos", _no_eos, "no end-of-sequence token: neither the tokenizer nor generation_config.json nor config.json"),
@@ -149,6 +158,12 @@ BROKEN = [
                                                   chat_template="{{ raise_exception('system turns only') }}"),
      "the chat template does not render a user turn (TemplateError: system turns only; fix it, or set "
      "model.chat_template 'off')"),
+    ("compiled-state-dict", _compiled, "the weights do not fit the model config.json describes: 12 of the model's "
+     "weights are not in the files (first: lm_head.weight, model.embed_tokens.weight, model.layers.0.input_layernorm"
+     ".weight); the files hold 12 weights the model has no place for (first: _orig_mod.lm_head.weight, "),
+    ("config-of-another-width", lambda p: _edit_json(p / "config.json", hidden_size=64, intermediate_size=128),
+     "the weights do not fit the model config.json describes: 12 have another shape in the files (first: "
+     "lm_head.weight, [292, 32] in the files, [292, 64] in the model)"),
     ("vocab-past-embeddings", _too_many_tokens,
      "the tokenizer has 759 tokens, more than the model's 292 embedding rows (config.json vocab_size)"),
 ]

@@ -121,17 +121,45 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": "auto"}
 
 def load_policy(path: str | Path, cfg: ModelConfig | None = None):
     """(model, tokenizer) from a Hugging Face directory, on `cfg.device` in `cfg.dtype` (no cfg: fp32
-    on CPU). The tokenizer pads on the left, with EOS as its pad token when it has none."""
+    on CPU). The tokenizer pads on the left, with EOS as its pad token when it has none. Weights
+    that do not make the model (`weights_gap`) are a ValueError: transformers would leave those
+    randomly initialised and only log a table."""
     cfg = cfg or ModelConfig(device="cpu")
     device = resolve_device(cfg.device)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype], output_loading_info=True,
+                                                       ignore_mismatched_sizes=True)   # refused here, by name
+    gap = weights_gap(info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"])
+    if gap:
+        raise ValueError(f"{path}: {gap}")
     pad_left(tokenizer, model)
     if device.type == "cpu":
         _own_memory(model)
     else:
         model.to(device)   # fresh device memory: no file views left
     return model, tokenizer
+
+
+def weights_gap(missing, unexpected, mismatched) -> str | None:
+    """Why a checkpoint's weights do not make the model its config.json builds (None: they do), from
+    the names `from_pretrained` reports (or preflight finds in the file headers). A missing or
+    misshapen weight would be post-trained from its random initialisation. Unexpected names alone
+    pass (a value head saved alongside, say) but are named, since they usually say where the
+    missing ones went (`_orig_mod.` prefixes: a torch.compile'd model's state dict)."""
+    if not missing and not mismatched:
+        return None
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} of the model's weights are not in the files "
+                     f"(first: {', '.join(sorted(missing)[:3])})")
+    if mismatched:
+        name, file, model = sorted(mismatched)[0]
+        parts.append(f"{len(mismatched)} have another shape in the files (first: {name}, {list(file)} in the files, "
+                     f"{list(model)} in the model)")
+    if unexpected:
+        parts.append(f"the files hold {len(unexpected)} weights the model has no place for "
+                     f"(first: {', '.join(sorted(unexpected)[:3])})")
+    return "the weights do not fit the model config.json describes: " + "; ".join(parts)
 
 
 def pad_left(tokenizer, model):

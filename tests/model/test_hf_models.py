@@ -104,6 +104,37 @@ def test_auto_classes_load_tokenizer_eos_context_and_chat_template(hf_dir):
         assert use_chat_template("auto", tok) and not use_chat_template("off", tok)
 
 
+@pytest.mark.parametrize("breaks", ["compiled", "renamed", "dropped"])
+def test_weights_that_do_not_make_the_model_are_refused_by_load_and_preflight_alike(hf_dir, tmp_path, breaks):
+    """transformers loads a checkpoint whose names do not match its config with those weights left
+    random and only a logged table, so the run would post-train noise. Qwen2's lm_head is tied (not in
+    the file) and Llama's is not: neither is a gap."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ratchet.preflight import check_model_dir
+
+    _, good = hf_dir
+    assert check_model_dir(str(good)) == []
+    path = Path(shutil.copytree(good, tmp_path / "model"))
+    weights = load_file(path / "model.safetensors")
+    if breaks == "compiled":       # a torch.compile'd model's state dict
+        weights = {f"_orig_mod.{k}": v for k, v in weights.items()}
+    elif breaks == "renamed":
+        weights["model.final_norm.weight"] = weights.pop("model.norm.weight")
+    else:
+        del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_policy(path)
+    first = {"compiled": "model.embed_tokens.weight", "renamed": "model.norm.weight",
+             "dropped": "model.layers.1.mlp.up_proj.weight"}[breaks]
+    assert str(e.value).startswith(f"{path}: the weights do not fit the model config.json describes: ")
+    assert first in str(e.value) and "\n" not in str(e.value)
+    assert check_model_dir(str(path)) == [f"model.path {str(path)!r}: {str(e.value).split(': ', 1)[1]}"]
+
+
 def test_prompts_through_the_chat_template_get_one_bos_and_the_generation_prompt(hf_dir):
     arch, path = hf_dir
     model, tok = load_policy(path)
