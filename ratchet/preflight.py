@@ -16,10 +16,11 @@ show up minutes (or waves) later, found in a second and reported all at once.
 - model.path: a Hugging Face causal LM directory: config.json (JSON, a model_type transformers
   knows, a *ForCausalLM architecture when it names one); weights (a shard index's shards present,
   each safetensors header readable and naming, at their shapes, the weights of the model config.json
-  describes; no tensor loaded); a tokenizer that loads, no larger than the
-  model's vocab_size; an EOS token (tokenizer, generation config or config, as the loader resolves
-  it); a chat template (if chat_template is "on") that renders a user turn (unless "off"); and a
-  context (max_position_embeddings) that holds model.max_seq_len and the completions;
+  describes; no tensor loaded); a tokenizer that loads, no larger than the model's vocab_size; an
+  EOS token (tokenizer, generation config or config, as the loader resolves it); a chat template
+  (if chat_template is "on") that renders a user turn (unless "off") and, with agent.turns > 1, a
+  new user turn after an answer, as the episodes append it; and a context (max_position_embeddings)
+  that holds model.max_seq_len and the completions;
 - model.device "cuda": a GPU is visible;
 - envs: every family is registered; version is one store key component; every task source
   (`envs.sources`) can be read and has at least one good task line, and tasks of both splits (an
@@ -254,6 +255,8 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
             except Exception as e:  # noqa: BLE001 - jinja2's errors, and whatever the template raises itself
                 problems.append(f"{where}: the chat template does not render a user turn ({_why(e)}; "
                                 "fix it, or set model.chat_template 'off')")
+            else:
+                problems += _next_turn(tok, where, cfg.agent.turns if cfg is not None else 1)
     context = context_length(head) if head is not None else None
     if cfg is None or context is None:
         return problems
@@ -264,6 +267,21 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
         problems.append(f"model.max_seq_len {cfg.model.max_seq_len} exceeds the model's context of {context} tokens "
                         f"({path}/config.json)")
     return problems
+
+
+def _next_turn(tok, where: str, turns: int) -> list[str]:
+    """With agent.turns > 1, the feedback on an answer goes in as a new user turn of the chat
+    template (`chat_extension`), as the first multi-turn wave would append it."""
+    from ratchet.rollout.episodes import chat_extension
+
+    if turns < 2:
+        return []
+    try:
+        chat_extension(tok, PROBE, "1 of 2 tests failed")
+    except Exception as e:  # noqa: BLE001 - chat_extension's ValueError, jinja2's errors, the template's own
+        return [f"{where}: agent.turns {turns}: the chat template cannot add a user turn after an answer "
+                f"({_why(e)}; fix it, set model.chat_template 'off' or agent.turns 1)"]
+    return []
 
 
 def _weights(p: Path, where: str, head) -> list[str]:

@@ -193,6 +193,27 @@ def test_a_chat_template_that_does_not_render_is_no_problem_when_off(tmp_path, t
     assert len(check(NightlyConfig(model=ModelConfig(path=str(path)), store=store))) == 1
 
 
+def test_a_chat_template_that_cannot_add_a_turn_is_a_problem_for_multi_turn_runs(tmp_path, tiny):
+    """This template renders the last message only: a user turn renders, but the conversation with
+    the feedback added does not extend it, which the first multi-turn wave found (observation_ids)."""
+    path = _copy(tiny, tmp_path)
+    _edit_json(path / "tokenizer_config.json", chat_template=(
+        "{% for m in messages %}{% if loop.last %}<|{{ m.role }}|>{{ m.content }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"))
+
+    def problems(turns, chat_template="auto"):
+        return check(NightlyConfig.model_validate({
+            "model": {"path": str(path), "chat_template": chat_template}, "agent": {"turns": turns},
+            "store": {"uri": str(tmp_path / "s")}}))
+
+    assert problems(1) == [] and problems(2, chat_template="off") == []
+    assert problems(2) == [
+        f"model.path {str(path)!r}: agent.turns 2: the chat template cannot add a user turn after an answer "
+        "(ValueError: chat template: rendering the conversation with a new user message does not extend its "
+        "rendering without it, so an observation cannot be appended over the KV cache; fix it, set "
+        "model.chat_template 'off' or agent.turns 1)"]
+
+
 def test_require_lists_every_problem(tmp_path):
     cfg = NightlyConfig.model_validate({
         "store": {"uri": "ftp://x/y"}, "envs": {"families": ["nope"], "version": "a/b"},

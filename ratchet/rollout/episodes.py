@@ -143,6 +143,21 @@ class _Conversations:
 _ANSWER = "\ue000answer\ue000"   # a private-use sentinel standing for the answer in a rendered template
 
 
+def chat_extension(tokenizer, prompt: str, observation: str) -> tuple[str, str]:
+    """The chat template's rendering of (prompt, an answer standing in as _ANSWER) without, then with, a
+    new user message `observation` and the generation prompt. ValueError when the second does not
+    extend the first: the observation could not be appended over the KV cache. Preflight runs this
+    on a probe when agent.turns > 1, so a template that cannot go on fails before the run starts."""
+    before = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _ANSWER}]
+    without = tokenizer.apply_chat_template(before, tokenize=False)
+    with_user = tokenizer.apply_chat_template(before + [{"role": "user", "content": observation}], tokenize=False,
+                                              add_generation_prompt=True)
+    if _ANSWER not in without or not with_user.startswith(without):
+        raise ValueError("chat template: rendering the conversation with a new user message does not extend its "
+                         "rendering without it, so an observation cannot be appended over the KV cache")
+    return without, with_user
+
+
 def observation_ids(engine: TorchEngine, prompt: str, turn: Turn, observation: str) -> list[int]:
     """The tokens that append `observation` after `turn`'s answer, as the model sees them.
 
@@ -153,13 +168,7 @@ def observation_ids(engine: TorchEngine, prompt: str, turn: Turn, observation: s
     tok = engine.tokenizer
     if not engine.chat_template:
         return list(tok(observation, add_special_tokens=False)["input_ids"])
-    before = [{"role": "user", "content": prompt}, {"role": "assistant", "content": _ANSWER}]
-    without = tok.apply_chat_template(before, tokenize=False)
-    with_user = tok.apply_chat_template(before + [{"role": "user", "content": observation}], tokenize=False,
-                                        add_generation_prompt=True)
-    if _ANSWER not in without or not with_user.startswith(without):
-        raise ValueError("chat template: rendering the conversation with a new user message does not extend its "
-                         "rendering without it, so an observation cannot be appended over the KV cache")
+    without, with_user = chat_extension(tok, prompt, observation)
     close = without[without.rindex(_ANSWER) + len(_ANSWER):]                      # e.g. "<|im_end|>\n"
     if turn.action_ids and turn.action_ids[-1] in engine.eos_ids:
         emitted = tok.decode(turn.action_ids[-1:], skip_special_tokens=False)
