@@ -10,6 +10,7 @@ holds only overrides.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -165,6 +166,12 @@ class ModelConfig(Frozen):
         "longer with RoPE scaling), e.g. [{\"seq_len\": 256, \"steps\": 200}, {\"seq_len\": 1024, \"steps\": 100, "
         "\"rope_type\": \"linear\", \"factor\": 4}]. Empty (default): no extension, context model.max_seq_len."
     )
+
+    @field_validator("path")
+    @classmethod
+    def _home(cls, value: str | None) -> str | None:
+        """'~' expanded once, here, for every reader: transformers takes '~/m' for a Hub repo id."""
+        return os.path.expanduser(value) if value else value
 
     @field_validator("context_phases")
     @classmethod

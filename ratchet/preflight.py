@@ -204,7 +204,7 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
 
     from ratchet.model import context_length, encode_prompts, eos_ids, model_header, pad_left, use_chat_template
 
-    where, p = f"model.path {path!r}", Path(path).expanduser()
+    where, p = f"model.path {path!r}", Path(path)   # as load_policy reads it (ModelConfig expands '~')
     if not p.exists():
         return [f"{where}: no such directory"]
     if not p.is_dir():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from ratchet.config import EnvsConfig, NightlyConfig
+from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = [p for d in ("ratchet", "envs", "tasks", "flows") for p in (ROOT / d).rglob("*.py")]
@@ -77,6 +77,24 @@ def test_family_settings_are_validated_against_the_family():
         EnvsConfig(family_config={"python_functions": {"n_tests": 0}})
     with pytest.raises(ValueError, match="no_such_family"):
         EnvsConfig(family_config={"no_such_family": {}})
+
+
+def test_a_model_path_under_home_is_expanded_for_every_reader(tmp_path, monkeypatch):
+    """Preflight expanded '~' itself while load_policy and prompt_room handed it to transformers,
+    which took it for a Hub repo id: a run that passed preflight failed loading its model."""
+    from ratchet.model import load_policy, prompt_room
+    from ratchet.preflight import check
+    from tests.model.tiny import tiny_llama
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tiny_llama(tmp_path / "models" / "m")
+    cfg = NightlyConfig.model_validate({"model": {"path": "~/models/m", "device": "cpu"},
+                                        "store": {"uri": str(tmp_path / "store")}})
+    assert cfg.model.path == str(tmp_path / "models" / "m")
+    assert cfg.model_validate(cfg.model_dump()) == cfg and ModelConfig(path=None).path is None
+    assert check(cfg) == []
+    load_policy(cfg.model.path, cfg.model)
+    assert prompt_room(cfg.model, 32)(["def f(x):\n"]) == [None]
 
 
 def test_one_limits_mapping():
