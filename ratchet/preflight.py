@@ -25,8 +25,9 @@ show up minutes (or waves) later, found in a second and reported all at once.
 - envs: every family is registered; version is one store key component; every task source
   (`envs.sources`) can be read and has at least one good task line, and tasks of both splits (an
   s3:// source must lie in the store; it is read when the run imports it);
-- the embedded model: hidden_size splits into num_heads heads of even size (rotary);
-  rollout.max_new_tokens leaves room for a prompt in model.max_seq_len;
+- the embedded model: hidden_size splits into num_heads heads of even size (rotary); no
+  chat_template "on" (its tokenizer has no template); rollout.max_new_tokens leaves room for a
+  prompt in model.max_seq_len;
 - train.backend deepspeed: deepspeed is installed.
 No Prefect is imported here, and nothing but a missing S3 bucket is ever created.
 """
@@ -174,6 +175,9 @@ def _model(cfg: NightlyConfig) -> list[str]:
     elif m.hidden_size % m.num_heads or (m.hidden_size // m.num_heads) % 2:
         problems.append(f"model.hidden_size {m.hidden_size} must split into model.num_heads {m.num_heads} heads "
                         "of an even size (rotary embeddings)")
+    if not m.path and m.chat_template == "on":
+        problems.append("model.chat_template 'on': the embedded model (no model.path) has no chat template "
+                        "(set 'auto' or 'off', or give a model.path whose tokenizer has one)")
     if cfg.rollout.max_new_tokens >= m.max_seq_len:
         problems.append(f"rollout.max_new_tokens {cfg.rollout.max_new_tokens} leaves no room for a prompt in "
                         f"model.max_seq_len {m.max_seq_len}")

@@ -214,6 +214,16 @@ def test_a_chat_template_that_cannot_add_a_turn_is_a_problem_for_multi_turn_runs
         "model.chat_template 'off' or agent.turns 1)"]
 
 
+def test_chat_template_on_needs_a_model_path(tmp_path):
+    """The embedded model's tokenizer (trained in the warm start) has no chat template: 'on' failed
+    the run at its first engine, after env production, audit and the warm start."""
+    store = StoreConfig(uri=str(tmp_path / "s"))
+    assert check(NightlyConfig(model=ModelConfig(chat_template="on"), store=store)) == [
+        "model.chat_template 'on': the embedded model (no model.path) has no chat template (set 'auto' or 'off', "
+        "or give a model.path whose tokenizer has one)"]
+    assert check(NightlyConfig(model=ModelConfig(chat_template="auto"), store=store)) == []
+
+
 def test_require_lists_every_problem(tmp_path):
     cfg = NightlyConfig.model_validate({
         "store": {"uri": "ftp://x/y"}, "envs": {"families": ["nope"], "version": "a/b"},
