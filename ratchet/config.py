@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ratchet.sandbox.model import Limits
 
@@ -90,6 +90,10 @@ class EnvsConfig(Frozen):
                 get_family(name).config.model_validate(settings)
             except KeyError as e:
                 raise ValueError(str(e).strip("'\"")) from None
+            except ValidationError as e:   # located under the family's name: family_config.<name>.<field>
+                raise ValidationError.from_exception_data(e.title, [
+                    {k: err[k] for k in ("type", "input", "ctx") if k in err} | {"loc": (name, *err["loc"])}
+                    for err in e.errors()]) from None
         return value
 
     @field_validator("sources")

@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig
 
@@ -77,6 +77,10 @@ def test_family_settings_are_validated_against_the_family():
         EnvsConfig(family_config={"python_functions": {"n_tests": 0}})
     with pytest.raises(ValueError, match="no_such_family"):
         EnvsConfig(family_config={"no_such_family": {}})
+    with pytest.raises(ValidationError) as e:      # the family's name locates a typo'd setting
+        EnvsConfig(family_config={"python_functions": {"n_tests": 12, "n_testz": 3}})
+    assert [(err["loc"], err["type"]) for err in e.value.errors()] == [
+        (("family_config", "python_functions", "n_testz"), "extra_forbidden")]
 
 
 def test_a_model_path_under_home_is_expanded_for_every_reader(tmp_path, monkeypatch):
