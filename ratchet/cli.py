@@ -31,7 +31,7 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from ratchet.cli_errors import OneLineErrors, fail, message, read_text
+from ratchet.cli_errors import OneLineErrors, fail, message, read_text, require_model_dir
 from ratchet.config import AgentConfig, ModelConfig, NightlyConfig, StoreConfig, describe
 from ratchet.data.cli import app as gate_app
 from ratchet.envs_cli import app as envs_app
@@ -60,8 +60,7 @@ def serve(
 ) -> None:
     """Serve a checkpoint with the torch engine behind an OpenAI-compatible API (/v1/completions,
     /v1/models; /v1/load swaps in another checkpoint). See ratchet/rollout/server.py."""
-    if not (model / "config.json").is_file():
-        fail("not a Hugging Face model directory (no config.json)", model)
+    require_model_dir(model)
     from ratchet.rollout.server import BadRequest, serve as serve_model
 
     try:

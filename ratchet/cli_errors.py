@@ -1,9 +1,10 @@
 """How every `ratchet` command fails: one line on stderr, `error: <what> (<where>)`, never a
 traceback. Exit 2 for bad input or usage, 1 for a check that ran and failed.
 
-    from ratchet.cli_errors import fail, read_text
+    from ratchet.cli_errors import fail, read_text, require_model_dir
     text = read_text(path, "tasks JSONL")       # missing, directory, binary, not UTF-8: fail(...)
     fail("no completion lines", path)           # prints, exits 2
+    require_model_dir(path)                     # a model directory load_policy loads, or fail(...)
 
 `OneLineErrors` is the root command group (ratchet/cli.py): typer's usage errors (a wrong
 type, a missing argument, an unknown option) come out as one line too, and an unexpected
@@ -35,6 +36,16 @@ def fail(what: str, where: object = None, code: int = BAD_INPUT) -> NoReturn:
     """Print `error: what (where)` on stderr and exit with `code`."""
     typer.echo(message(what, where), err=True)
     raise typer.Exit(code)
+
+
+def require_model_dir(path: Path) -> None:
+    """Fail in one line unless `path` is a model directory `load_policy` loads (preflight's
+    check_model_dir, nothing loaded): transformers' own errors run to pages, or a table."""
+    from ratchet.preflight import check_model_dir
+
+    problems = check_model_dir(str(path))
+    if problems:
+        fail("; ".join(p.removeprefix(f"model.path {str(path)!r}: ") for p in problems), path)
 
 
 def read_bytes(path: Path, what: str = "file") -> bytes:

@@ -19,7 +19,7 @@ from typing import Optional
 import typer
 from pydantic import ValidationError
 
-from ratchet.cli_errors import fail
+from ratchet.cli_errors import fail, require_model_dir
 from ratchet.config import NiahConfig, describe
 
 app = typer.Typer(help="Probes of a model checkpoint.", no_args_is_help=True)
@@ -54,8 +54,7 @@ def niah_command(
     as_json: bool = typer.Option(False, "--json", help="Also print the result as one JSON object (the last line)."),
 ) -> None:
     """Needle in a haystack: recall of a key buried at several depths in contexts of several lengths."""
-    if not (model / "config.json").is_file():
-        fail("not a Hugging Face model directory (no config.json)", model)
+    require_model_dir(model)
     fields = {"trials": trials, "key_digits": key_digits, "seed": seed, "batch_size": batch_size,
               "beyond_limit": beyond_limit, "lengths": _numbers(lengths, int, "--lengths")}
     if depths is not None:

@@ -198,7 +198,9 @@ def check_model_dir(path: str, cfg: NightlyConfig | None = None) -> list[str]:
     """Problems of `path` as a Hugging Face causal LM directory (model.path, `ratchet run --model`).
     A directory that is not one at all is one problem. The config, generation config and tokenizer
     load as `load_policy` loads them and go through its own functions (pad and EOS, chat template on
-    one prompt); the weights are checked by their headers and shard list, never loaded."""
+    one prompt); the weights are checked by their headers and shard list, never loaded. Without the
+    run's `cfg` (`ratchet serve`, `ratchet eval`: no chat template, no run context) only what
+    loading the directory needs is checked."""
     with _quiet():
         return _model_dir(path, cfg)
 
@@ -247,9 +249,9 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
         if isinstance(vocab, int) and len(tok) > vocab:   # fewer is common (padded embeddings); more breaks forward
             problems.append(f"{where}: the tokenizer has {len(tok)} tokens, more than the model's {vocab} embedding "
                             "rows (config.json vocab_size): is it this model's tokenizer?")
-    if tok is not None:
+    if tok is not None and cfg is not None:
         try:
-            chat = use_chat_template(cfg.model.chat_template if cfg is not None else "auto", tok)
+            chat = use_chat_template(cfg.model.chat_template, tok)
         except ValueError:   # "on" without a template
             chat = False
             problems.append(f"model.chat_template 'on': the tokenizer in {path!r} has no chat template")
@@ -260,7 +262,7 @@ def _model_dir(path: str, cfg: NightlyConfig | None) -> list[str]:
                 problems.append(f"{where}: the chat template does not render a user turn ({_why(e)}; "
                                 "fix it, or set model.chat_template 'off')")
             else:
-                problems += _next_turn(tok, where, cfg.agent.turns if cfg is not None else 1)
+                problems += _next_turn(tok, where, cfg.agent.turns)
     context = context_length(head) if head is not None else None
     if cfg is None or context is None:
         return problems

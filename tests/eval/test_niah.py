@@ -179,4 +179,18 @@ def test_cli_prints_the_table_and_rejects_bad_input(tmp_path, tok):
     bad = runner.invoke(app, ["eval", "niah", "--model", str(tmp_path), "--depths", "0,2"])
     assert bad.exit_code == 2 and "error:" in bad.output and "--depths" in bad.output
     missing = runner.invoke(app, ["eval", "niah", "--model", str(tmp_path / "nope")])
-    assert missing.exit_code == 2 and "not a Hugging Face model directory" in missing.output
+    assert missing.exit_code == 2 and missing.stderr == f"error: no such directory ({tmp_path / 'nope'})\n"
+
+
+def test_cli_names_what_is_wrong_with_a_model_directory_in_one_line(tmp_path, tok):
+    """A config of another width than the weights: transformers printed a 20-line table, then
+    the probe died with a RuntimeError pointing at it (exit 1)."""
+    from ratchet.cli import app
+
+    save_policy(build_model(TINY, tok), tok, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "intermediate_size": 160}))
+    res = CliRunner().invoke(app, ["eval", "niah", "--model", str(tmp_path)])
+    assert res.exit_code == 2 and res.stderr.count("\n") == 1, res.output
+    assert res.stderr.startswith("error: the weights do not fit the model config.json describes: "), res.stderr
+    assert res.stderr.endswith(f" in the model) ({tmp_path})\n"), res.stderr

@@ -346,3 +346,15 @@ def test_ratchet_serve_command(checkpoints, monkeypatch):
     assert seen["app"].state.served.model_card()["id"] == "tiny"
     result = CliRunner().invoke(app, ["serve", "--model", str(checkpoints[0] / "missing")])
     assert result.exit_code == 2
+
+
+def test_ratchet_serve_names_what_is_wrong_with_a_model_directory_in_one_line(checkpoints, tmp_path):
+    """Without tokenizer.json the tokenizer does not load: serve printed transformers' five-line error."""
+    from ratchet.cli import app
+
+    path = shutil.copytree(checkpoints[0], tmp_path / "model")
+    (path / "tokenizer.json").unlink()
+    result = CliRunner().invoke(app, ["serve", "--model", str(path)])
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert result.stderr.startswith("error: the tokenizer does not load (ValueError: Couldn't instantiate the "
+                                    "backend tokenizer"), result.stderr
