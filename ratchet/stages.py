@@ -117,11 +117,23 @@ def _complete_groups(frame: pl.DataFrame, group_size: int) -> pl.Series:
     return ok.filter(pl.col("good"))["group_id"]
 
 
+def learning_signal(frame: pl.DataFrame, cfg: NightlyConfig) -> pl.Series:
+    """Per row, what the trainer's zero-variance rule compares within a group (`rl.drop_zero_variance`):
+    the reward, or with per-turn credit the episode's turn states (`turn_states`): a group whose
+    episodes all end on one reward but reach it at different turns still trains. Null where no reward."""
+    if not (cfg.agent.turns > 1 and cfg.agent.credit == "turn"):
+        return frame["reward"].alias("signal")
+    states = [None if r is None or not ts else turn_states(ts, cfg.agent.turns, cfg.agent.turn_penalty)
+              for r, ts in zip(frame["reward"], frame["turns"].to_list())]
+    return pl.Series("signal", states, dtype=pl.List(pl.Float64))
+
+
 def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     """How many groups a scored wave has, how many an env_error (or a missing row) excludes, and
-    how many of the rest have rewards all equal (no outcome-level signal)."""
-    complete = frame.filter(pl.col("group_id").is_in(_complete_groups(frame, cfg.rollout.group_size).implode()))
-    equal = complete.group_by("group_id").agg(pl.col("reward").n_unique() == 1)["reward"].sum()
+    how many of the rest give the trainer nothing to learn from (`learning_signal` all equal)."""
+    complete = frame.with_columns(learning_signal(frame, cfg)).filter(
+        pl.col("group_id").is_in(_complete_groups(frame, cfg.rollout.group_size).implode()))
+    equal = complete.group_by("group_id").agg(pl.col("signal").n_unique() == 1)["signal"].sum()
     groups = frame["group_id"].n_unique()
     return {"groups": groups, "groups_env_error": groups - complete["group_id"].n_unique(),
             "groups_zero_variance": int(equal or 0)}

@@ -8,7 +8,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from envs.snapshot import load_specs
-from ratchet import monitor
+from ratchet import monitor, stages
 from ratchet import summary as summaries
 from ratchet.config import NightlyConfig
 from ratchet.data.gates import check_wave
@@ -27,8 +27,8 @@ def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
     if cfg.agent.repeat_reward is not None:                       # per-turn shaping can take a reward outside them
         low, high = min(low, cfg.agent.repeat_reward), max(high, cfg.agent.repeat_reward)
     low -= cfg.agent.turn_penalty * (cfg.agent.turns - 1)
-    report = check_wave(frame, cfg.gate, reward_bounds=(low, high),
-                        max_tokens=cfg.model.max_seq_len, source=wave.uri)
+    report = check_wave(frame, cfg.gate, reward_bounds=(low, high), max_tokens=cfg.model.max_seq_len,
+                        source=wave.uri, signal=stages.learning_signal(frame, cfg))
     if not report.success:
         create_markdown_artifact(report.to_markdown(), key="gate-wave", description=f"gate failed: {wave.uri}")
         get_run_logger().error("gate failed for %s", wave.uri)

@@ -221,11 +221,15 @@ def check_wave(
     reward_bounds: tuple[float, float] | None = None,
     max_tokens: int | None = None,
     source: str = "",
+    signal: pl.Series | None = None,
 ) -> GateReport:
-    """Run the wave gate on a scored trajectory table (TRAJECTORY_SCHEMA)."""
+    """Run the wave gate on a scored trajectory table (TRAJECTORY_SCHEMA). `signal`: per row, what a
+    group's rows must differ in to train (`ratchet.stages.learning_signal`; None: the reward)."""
     cfg = cfg or GateConfig()
     failures = _schema_failures(df, TRAJECTORY_SCHEMA, required=[c for c in TRAJECTORY_SCHEMA if c not in TRAJECTORY_NULLABLE])
     usable = {c for c, t in TRAJECTORY_SCHEMA.items() if df.schema.get(c) == t}
+    if "reward" in usable:
+        df = df.with_columns(pl.col("reward").alias("signal") if signal is None else signal.alias("signal"))
     frames = {"rows": _wave_rows(df, usable), "groups": _wave_groups(df, usable)}
     checks = wave_checks(cfg, reward_bounds, max_tokens)
     failures += _run_gx("wave", checks, frames, usable)
@@ -293,12 +297,13 @@ def _wave_rows(df: pl.DataFrame, usable: set[str]):
 
 
 def _wave_groups(df: pl.DataFrame, usable: set[str]):
-    """One row per group of non-env_error rows: zero_variance = 1.0 if all its rewards are equal."""
+    """One row per group of non-env_error rows: zero_variance = 1.0 if its rows' `signal` (the
+    reward, or what the trainer compares: check_wave) is all equal."""
     if not {"group_id", "reward", "env_error"} <= usable:
         return None
     groups = (df.filter(~pl.col("env_error"))
               .group_by("group_id")
-              .agg(pl.len().alias("n"), (pl.col("reward").n_unique() == 1).cast(pl.Float64).alias("zero_variance"))
+              .agg(pl.len().alias("n"), (pl.col("signal").n_unique() == 1).cast(pl.Float64).alias("zero_variance"))
               .sort("group_id"))
     return groups.to_pandas() if groups.height else None
 
@@ -312,7 +317,7 @@ def _with_aggregate_examples(f: GateFailure, df: pl.DataFrame, usable: set[str])
         return replace(f, unexpected_count=n, examples=kinds)
     if f.check == "zero_variance_groups":
         zv = (df.filter(~pl.col("env_error")).group_by("group_id")
-              .agg(pl.col("reward").first(), pl.col("reward").n_unique().alias("k"), pl.len().alias("n"))
+              .agg(pl.col("reward").first(), pl.col("signal").n_unique().alias("k"), pl.len().alias("n"))
               .filter(pl.col("k") == 1).sort("group_id"))
         examples = [{"group_id": g, "reward": r, "n": n} for g, r, n in zv.select("group_id", "reward", "n").head(N_EXAMPLES).rows()]
         return replace(f, unexpected_count=zv.height, examples=examples)
