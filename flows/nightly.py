@@ -95,7 +95,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
             policy = checkpoint_policy(policy, cfg)
 
         final = evaluate(policy, heldout, cfg)
-        incumbent = evaluate_incumbent(heldout, cfg)
+        incumbent = evaluate_incumbent(policy, heldout, cfg)
         decision = promote(policy, final, base if incumbent is None else incumbent, cfg,   # paired, beyond noise
                            "the base model" if incumbent is None else "the incumbent")
 

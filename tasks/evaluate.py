@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -47,16 +48,26 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def evaluate_incumbent(heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
+def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig) -> dict | None:
     """The promoted model on this run's held-out tasks, under the same protocol as `evaluate`
-    (None when nothing is promoted yet)."""
+    (None when nothing is promoted yet). Kept for the run (runs/<id>/eval/incumbent.json) while the
+    pointer still names what was judged, or names this run's own checkpoint: a run resumed after it
+    promoted is judged again against what it beat, not against itself."""
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
-    if pointer is None:
-        return None
-    with scratch_dir("incumbent") as tmp:
-        result = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
-    return {"checkpoint": pointer.uri, **result.summary(cfg.eval.confidence)}
+    key = f"runs/{policy.run_id}/eval/incumbent.json"
+    now = pointer.uri if pointer else None
+    if store.exists(key):
+        kept = store.get_json(key)
+        if now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None):
+            return kept["result"]
+    result = None
+    if pointer is not None:
+        with scratch_dir("incumbent") as tmp:
+            got = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
+        result = {"checkpoint": now, **got.summary(cfg.eval.confidence)}
+    store.put_json(key, {"checkpoint": now, "result": result})
+    return result
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -64,11 +75,23 @@ def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None,
             against: str = "the incumbent") -> dict:
     """Point models/promoted/INCUMBENT at the policy's checkpoint if it beats the incumbent beyond
     noise (`ratchet.eval.should_promote`). candidate / incumbent: `evaluate` results of each
-    (`against`: what the incumbent side is, for the reason: the base model before any promotion)."""
+    (`against`: what the incumbent side is, for the reason: the base model before any promotion).
+    The pointer moves only if it still names what was judged (`incumbent["checkpoint"]`; nothing,
+    against the base model) or this checkpoint already: a run that promoted while this one ran is
+    not overwritten by a candidate never compared with it."""
+    store = open_store(cfg.store)
     d = should_promote(candidate["results"], incumbent["results"] if incumbent else None, cfg.eval, against)
-    get_run_logger().info("promotion: %s", d.reason)
+    reason = d.reason
     if d.promote and policy.checkpoint is not None:
-        open_store(cfg.store).set_pointer(INCUMBENT, policy.checkpoint)
-    return {"promoted": d.promote, "reason": d.reason, "estimate": d.estimate, "ci": [d.ci_low, d.ci_high],
+        judged = (incumbent or {}).get("checkpoint")
+        now = store.get_pointer(INCUMBENT)
+        if now is not None and now.uri not in (judged, policy.checkpoint.uri):
+            d = replace(d, promote=False)
+            reason = (f"{d.reason}; but not promoted: {INCUMBENT} moved to {now.uri} while this run was judged "
+                      f"against {judged or 'the base model'} (evaluate against it before promoting)")
+        else:
+            store.set_pointer(INCUMBENT, policy.checkpoint)
+    get_run_logger().info("promotion: %s", reason)
+    return {"promoted": d.promote, "reason": reason, "estimate": d.estimate, "ci": [d.ci_low, d.ci_high],
             "p_value": d.p_value, "method": d.method,
             "checkpoint": policy.checkpoint.uri if d.promote and policy.checkpoint else None}

@@ -26,3 +26,56 @@ def test_promote_moves_the_incumbent_only_for_a_winner_beyond_noise(tmp_path):
         won = promote.fn(policy, _results(120), _results(60), cfg)     # +20 points, the 60 a subset
     assert won["promoted"] and won["checkpoint"] == ckpt.uri and won["ci"][0] > 0.1 and won["p_value"] < 1e-10
     assert store.get_pointer(INCUMBENT).uri == ckpt.uri
+
+
+def test_promote_does_not_overwrite_an_incumbent_it_was_not_judged_against(tmp_path):
+    """Two runs judged against the same incumbent: the first promotes; the second, better than the
+    old incumbent but never compared with the new one, leaves the pointer where it is."""
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)), eval=EvalConfig(min_gain=0.0))
+    store = open_store(cfg.store)
+    old, a, b = (store.put_json(f"runs/{r}/checkpoints/000003/MANIFEST.json", {"files": {}}) for r in ("o", "a", "b"))
+    store.set_pointer(INCUMBENT, old)
+    judged = {**_results(60), "checkpoint": old.uri}
+    with disable_run_logger():
+        assert promote.fn(PolicyRef(run_id="a", version=3, checkpoint=a, checkpoint_version=3),
+                          _results(180), judged, cfg)["promoted"]
+        late = promote.fn(PolicyRef(run_id="b", version=3, checkpoint=b, checkpoint_version=3),
+                          _results(120), judged, cfg)
+        assert late["promoted"] is False and late["checkpoint"] is None
+        assert f"moved to {a.uri} while this run was judged against {old.uri}" in late["reason"]
+        again = promote.fn(PolicyRef(run_id="a", version=3, checkpoint=a, checkpoint_version=3),   # a resumed run
+                           _results(180), judged, cfg)
+    assert again["promoted"] and store.get_pointer(INCUMBENT).uri == a.uri
+
+
+def test_a_run_resumed_after_it_promoted_is_judged_against_what_it_beat(tmp_path, monkeypatch):
+    """promote moves the pointer before the summary is written: an attempt that dies in between is
+    resumed with the pointer naming its own checkpoint. The incumbent it was judged against is kept
+    for the run, so the resumed attempt does not judge the candidate against itself ("+0.0: keep")."""
+    import tasks.evaluate as evaluation
+    from ratchet.model import save_policy
+    from ratchet.train.checkpoint import save_checkpoint
+    from tasks.evaluate import evaluate_incumbent
+    from tests.train import tiny
+
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)), model=tiny.TINY, eval=EvalConfig(min_gain=0.0))
+    store = open_store(cfg.store)
+    model, tok = tiny.model(), tiny.tokenizer()
+    old, mine = (save_checkpoint(store, r, 3, lambda d: save_policy(model, tok, d)) for r in ("o", "r"))
+    store.set_pointer(INCUMBENT, old)
+    judged = []
+
+    class _Result:
+        def summary(self, confidence):
+            return _results(60)
+
+    monkeypatch.setattr(evaluation, "_eval", lambda engine, heldout, cfg: judged.append(1) or _Result())
+    policy = PolicyRef(run_id="r", version=3, checkpoint=mine, checkpoint_version=3)
+    with disable_run_logger():
+        first = evaluate_incumbent.fn(policy, [], cfg)
+        assert first["checkpoint"] == old.uri and promote.fn(policy, _results(120), first, cfg)["promoted"]
+        resumed = evaluate_incumbent.fn(policy, [], cfg)                   # the pointer now names `mine`
+        assert resumed == first and len(judged) == 1
+        assert promote.fn(policy, _results(120), resumed, cfg)["promoted"]
+        other = PolicyRef(run_id="s", version=3, checkpoint=old, checkpoint_version=3)
+        assert evaluate_incumbent.fn(other, [], cfg)["checkpoint"] == mine.uri and len(judged) == 2   # another run
