@@ -48,9 +48,9 @@ def end_attempt(store: ArtifactStore, run_id: str, attempt: int, outcome: str) -
     a.update(ended_at=_now(), wall_s=round(time.time() - a["_t0"], 1), outcome=outcome.splitlines()[0][:500])
     store.put_json(f"runs/{run_id}/attempts.json", attempts)
     key = f"runs/{run_id}/summary.json"
-    if store.exists(key):   # written while the attempt ran (a run its health check stopped): closed there too
-        summary = store.get_json(key)
-        store.put_json(key, {**summary, **_attempt_fields(attempts)})
+    summary = store.get_json(key) if store.exists(key) else None
+    if summary and any(s.get("attempt") == attempt and s.get("outcome") == "running" for s in summary["attempts"]):
+        store.put_json(key, {**summary, **_attempt_fields(attempts)})   # written while it ran (a health stop)
     return a
 
 
