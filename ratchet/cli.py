@@ -104,10 +104,11 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
     from flows.nightly import nightly
-    from ratchet.run import Interrupted, request_stop, stop_signal
+    from ratchet.run import Interrupted, note_stop_signals, request_stop, stop_signal
 
     handlers = {sig: signal.signal(sig, lambda signum, _frame: request_stop(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
+    note_stop_signals()   # a signal Prefect's handler took, and a library then converted, still counts
     watchdog = _restart_ephemeral_api_if_it_dies()
     resume = f"resume with: ratchet run --run-id {cfg.run_id}"
 

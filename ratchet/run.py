@@ -10,6 +10,7 @@ Used by `flows/nightly.py`; everything here is plain Python over the store.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from contextlib import contextmanager
 from typing import Iterator
@@ -33,6 +34,22 @@ class Interrupted(KeyboardInterrupt):
 
 
 _stop_signals: list[int] = []   # SIGTERM / SIGINT received by this process's run, first first
+_wakeup: int | None = None       # read end of the pipe CPython writes every caught signal's number to
+
+
+def note_stop_signals() -> None:
+    """From now on CPython writes the number of every signal this process catches to a pipe
+    (`signal.set_wakeup_fd`), whichever Python handler runs: while a flow runs, Prefect swaps in its
+    own SIGTERM handler, and when the TerminationSignal it raises lands inside a library that
+    converts it (polars, into an error about a column's values) neither it nor `request_stop` is
+    seen, and a stopped run read as failed. `stop_signal` reads the pipe. Main thread; once."""
+    global _wakeup
+    if _wakeup is None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        _wakeup = r
 
 
 def request_stop(signum: int) -> None:
@@ -44,7 +61,13 @@ def request_stop(signum: int) -> None:
 
 
 def stop_signal() -> int | None:
-    """The first stop signal this process received, if any (`request_stop`)."""
+    """The first stop signal this process received, if any (`request_stop`, `note_stop_signals`)."""
+    if _wakeup is not None:
+        try:
+            caught = os.read(_wakeup, 4096)
+        except BlockingIOError:
+            caught = b""
+        _stop_signals.extend(n for n in caught if n in (signal.SIGTERM, signal.SIGINT))
     return _stop_signals[0] if _stop_signals else None
 
 

@@ -175,3 +175,35 @@ def test_a_stop_signal_that_a_library_converts_still_ends_the_attempt_interrupte
     with pytest.raises(run.Interrupted):
         run.request_stop(signal.SIGTERM)
     assert run.outcome(TypeError("'<unprintable str object>' is not a Polars data type")) == "interrupted: SIGTERM"
+
+
+def test_a_stop_signal_that_another_handler_took_and_a_library_converted_still_counts(monkeypatch):
+    """While a flow runs, Prefect's SIGTERM handler is installed, not ours: the TerminationSignal it
+    raised inside polars came out as a SchemaError ("only fails together with the others"; CI,
+    2026-12-06), and `ratchet run` exited 1 as failed. The wakeup pipe notes the signal whatever ran."""
+    from ratchet import run
+
+    class Termination(BaseException):   # Prefect's TerminationSignal, as its handler raises it
+        pass
+
+    def prefect_like(signum, frame):
+        raise Termination(signum)
+
+    monkeypatch.setattr(run, "_stop_signals", [])
+    monkeypatch.setattr(run, "_wakeup", None)
+    before = signal.signal(signal.SIGTERM, prefect_like)
+    try:
+        run.note_stop_signals()
+        assert run.stop_signal() is None
+        try:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)                         # the handler runs at the next bytecode
+            except Termination as e:
+                raise TypeError("not a Polars data type") from None      # a library's conversion
+        except TypeError as converted:
+            assert run.outcome(converted) == "interrupted: SIGTERM" and run.stop_signal() == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        os.close(signal.set_wakeup_fd(-1))
+        os.close(run._wakeup)
