@@ -131,6 +131,11 @@ class Trainer(ABC):
     @abstractmethod
     def _backward(self, loss: Tensor) -> None: ...
 
+    def _micro_batch_count(self, n: int) -> int:
+        """How many forward/backward passes this process runs for a minibatch it packed into `n`
+        micro-batches: n; a multi-process backend returns the most any of its processes has."""
+        return n
+
     @abstractmethod
     def _optimizer_step(self, lr: float) -> float:
         """Clip, step at `lr`, zero the gradients; return the gradient norm before clipping."""
@@ -292,17 +297,24 @@ class Trainer(ABC):
                  else sum(answers) if loss_agg == "answer_mean_token_mean"
                  else len(minibatch))
         max_len = max(s.action_tokens for s in minibatch)
-        live = [s for s in minibatch if not self._zero_grad_sample(s)]
-        if not live:  # keep one row so the optimizer sees a (zero) gradient, exactly as without skipping
-            live = [min(minibatch, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))]
+        shortest = min(minibatch, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+        # keep one row so the optimizer sees a (zero) gradient, exactly as without skipping
+        live = [s for s in minibatch if not self._zero_grad_sample(s)] or [shortest]
         metrics: dict[str, float] = {}
         shared = self.share_prompts and not self.ppo  # the value head reads hidden states of the plain layout
         pack = pack_by_prompt if shared else pack_by_tokens
-        for micro in pack(live, self.cfg.token_budget):
+        micros = pack(live, self.cfg.token_budget)
+        # a rank with fewer micro-batches than another runs its shortest row again at zero loss: the same
+        # forwards and backwards on every rank, so the collectives inside them pair up
+        padding = [[shortest]] * (self._micro_batch_count(len(micros)) - len(micros))
+        for i, micro in enumerate(micros + padding):
             if shared:
                 loss, m = self._micro_loss_shared(micro, old, loss_agg, denom, max_len)
             else:
                 loss, m = self._micro_loss(micro, old, loss_agg, denom, n_tokens, max_len)
+            if i >= len(micros):
+                self._backward(loss * 0.0)   # every parameter's gradient hook fires, adding 0
+                continue
             self._backward(loss)
             for key, v in m.items():  # losses are already minibatch-normalised: sum; rates: average
                 metrics[key] = metrics.get(key, 0.0) + (v if key in SUMMED_METRICS else v * len(micro) / len(live))

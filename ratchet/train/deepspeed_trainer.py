@@ -7,7 +7,10 @@ The DeepSpeed config is built from `TrainConfig` by `ds_config` (no hand-written
 optimizer is always a torch AdamW handed to DeepSpeed, so nothing JIT-compiles (DeepSpeed's
 own FusedAdam / CPUAdam would compile for ~80 s on first use). Gradient accumulation is
 "unmanaged": every micro-batch's `backward` accumulates, `step()` is the boundary, so the
-token-budget packing of `backend.py` works unchanged.
+token-budget packing of `backend.py` works unchanged. Across ranks a minibatch packs into as
+many micro-batches as its rows' lengths and skipped rows make; ZeRO-2 reduces in every backward
+and ZeRO-3 gathers in every forward, so a rank with fewer pads with zero-loss passes
+(`_micro_batch_count`) and every rank runs the same collectives.
 
 Launched by the DeepSpeed launcher (`deepspeed --hostfile ... -m ...`, see deploy/deepspeed.md)
 the process group comes from its RANK/WORLD_SIZE/MASTER_* variables; otherwise (a Prefect
@@ -110,6 +113,14 @@ class DeepSpeedTrainer(Trainer):
 
     def _backward(self, loss) -> None:
         self.engine.backward(loss)
+
+    def _micro_batch_count(self, n: int) -> int:
+        """The most micro-batches any rank has in this minibatch: ZeRO-2 reduces gradients in every
+        backward and ZeRO-3 gathers parameters in every forward, so a rank that ran fewer would leave
+        the others waiting in a collective (or pair it with the wrong one)."""
+        count = torch.tensor([n], device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        return int(count)
 
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:

@@ -15,8 +15,8 @@ DeepSpeed launcher also passes --local_rank). Each rank:
    computed identically on every rank, from the same weights);
 3. takes its share of the groups, round-robin; the groups are first cut to a multiple of the
    world size, so every rank makes the same number of optimizer steps (DeepSpeed reduces the
-   gradients at each step: a rank with one step more would wait for ever). The cut groups are
-   reported, never silently lost;
+   gradients at each step: a rank with one step more would wait for ever; within a step the
+   trainer evens out the micro-batches). The cut groups are reported, never silently lost;
 4. trains (`train_wave`), and rank 0 writes checkpoint version + 1 to the run: weights
    (gathered at ZeRO-3), `ledger.json` (+ this wave), `trained.parquet` beside the wave, and
    every rank's trainer state as `trainer-rank<r>.pt` (ZeRO partitions belong to their rank).

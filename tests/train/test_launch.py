@@ -17,14 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ratchet.config import RolloutConfig, TrainConfig
+from ratchet.config import RLConfig, RolloutConfig, TrainConfig
 from ratchet.model import save_policy
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.rollout.wave import wave_frame
 from ratchet.store import open_store
+from ratchet.train.batching import TrainSample
 from ratchet.train.checkpoint import save_checkpoint
 from ratchet.train.launch import shard_groups
 from tests.train import tiny
+from tests.train.test_trainers import GradCapture
 
 pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +66,61 @@ def test_shard_groups_gives_every_rank_the_same_number_of_whole_groups():
     assert [s.group for s in r0] == list("aacc") and [s.group for s in r1] == list("bbdd")
     assert cut0 == cut1 == 1                                        # group "e": cut, reported
     assert shard_groups(samples, 0, 1) == (samples, 0)
+
+
+def _uneven_wave(rank: int) -> list:
+    """One group of 4 rows; rank 0's completions are long (packed into 2 micro-batches at the token
+    budget's floor of 64), rank 1's short (1 micro-batch)."""
+    rng = random.Random(rank)
+    vocab = range(len(tiny.tokenizer().all_special_ids), len(tiny.tokenizer()))
+    prompt, n = [rng.choice(vocab) for _ in range(6)], (20 if rank == 0 else 3)
+    return [TrainSample(prompt, [rng.choice(vocab) for _ in range(n)], [-5.0] * n, 1.0 if i % 2 else -1.0,
+                        f"r{rank}", reward=float(i % 2)) for i in range(4)]
+
+
+_UNEVEN = TrainConfig(backend="deepspeed", minibatch_prompts=1, updates_per_batch=1, token_budget=64)
+
+
+def _uneven_rank() -> None:
+    """One rank of the test below (RANK etc. in its environment): one step at ZeRO-2, then ZeRO-3."""
+    from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
+
+    rank = int(os.environ["RANK"])
+    for stage in (2, 3):
+        t = DeepSpeedTrainer(tiny.model(), tiny.tokenizer().pad_token_id, _UNEVEN.model_copy(update={"zero_stage": stage}),
+                             RLConfig())
+        print(json.dumps({"rank": rank, "stage": stage, "grad_norm": t.train_wave(_uneven_wave(rank))["grad_norm"]}),
+              flush=True)
+
+
+def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
+    """Rank 0 packs its minibatch into 2 micro-batches, rank 1 into 1: ZeRO-2 reduces in every backward
+    (a rank short of one crashed gloo with a collective mismatch) and ZeRO-3 gathers in every forward
+    (it hung). Rank 1 pads with a zero-loss pass; the step's gradient is the mean of the two ranks'
+    minibatch gradients, as the one-process torch trainer computes them, with nothing added."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", "from tests.train.test_launch import _uneven_rank; _uneven_rank()"],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                                   "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    got = [json.loads(ln) for out, _ in outs for ln in out.splitlines() if ln.startswith("{")]
+    grads = []
+    for rank in (0, 1):
+        t = GradCapture(tiny.model(), tiny.tokenizer().pad_token_id, _UNEVEN, RLConfig())
+        t.train_wave(_uneven_wave(rank))
+        grads.append(t.grads[0])
+    want = float(((grads[0] + grads[1]) / 2).norm())
+    assert sorted((g["stage"], g["rank"]) for g in got) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    for g in got:
+        assert g["grad_norm"] == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.slow
