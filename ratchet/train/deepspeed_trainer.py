@@ -140,10 +140,13 @@ class DeepSpeedTrainer(Trainer):
                 f"optimizer state was saved with ZeRO stage {state['zero_stage']} on {state['world_size']} ranks; "
                 f"this trainer runs stage {self._zero} on {torch.distributed.get_world_size()}"
             )
-        if self._zero == 0 and not self.cfg.bf16:  # the plain torch optimizer
+        from deepspeed.runtime.base_optimizer import ZeROOptimizer
+
+        if not isinstance(self.optimizer, ZeROOptimizer):
+            # the plain torch optimizer, or (bf16 at stage 0) FP16_UnfusedOptimizer: one dict, fp32 master weights in it
             self.optimizer.load_state_dict(state["state"])
             return
-        # ZeRO / bf16 wrappers: a list of per-rank states; fp32 master weights restored exactly
+        # ZeRO stages 1-3 and BF16_Optimizer: a list of per-rank states; fp32 master weights restored exactly
         states = [None] * state["world_size"]
         states[torch.distributed.get_rank()] = state["state"]
         self.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=True)

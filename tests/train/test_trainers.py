@@ -230,8 +230,8 @@ def test_truncated_importance_weight_scales_the_gradient_by_hand():
         assert m["is_capped_frac"] == capped and m["is_weight_mean"] == pytest.approx(factor, rel=1e-4)
 
 
-@pytest.mark.parametrize("stage, offload, bf16", [(2, False, True), (2, True, False), (3, True, True)],
-                         ids=["zero2-bf16", "zero2-offload", "zero3-offload-bf16"])
+@pytest.mark.parametrize("stage, offload, bf16", [(0, False, True), (2, False, True), (2, True, False), (3, True, True)],
+                         ids=["zero0-bf16", "zero2-bf16", "zero2-offload", "zero3-offload-bf16"])
 def test_deepspeed_offload_and_bf16_train_and_resume(tmp_path, stage, offload, bf16):
     """Not only the config dict: the engine really runs bf16 weights / CPU-offloaded optimizer
     state, takes steps, and resumes bit-identically."""
