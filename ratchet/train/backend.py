@@ -407,13 +407,19 @@ class Trainer(ABC):
             state["cuda_rng"] = torch.cuda.get_rng_state_all()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("backend", self.backend) != self.backend:
+    def load_state_dict(self, state: dict, optimizer: bool = True) -> None:
+        """Resume from `state`. The KL reference (the policy the run started from) and the PPO value
+        head belong to the run and are always restored; with optimizer=False (a state this trainer's
+        optimizer cannot take: another backend's, another world size's) the optimizer, step and RNG
+        start afresh."""
+        if optimizer and state.get("backend", self.backend) != self.backend:
             raise ValueError(f"trainer state was written by the {state['backend']!r} backend; this is {self.backend!r}")
         if state.get("value_head") is not None and self._value_head_module() is not None:
             self._load_value_head_state(state["value_head"])
         if state.get("ref_model") is not None and self.ref_model is not None:
             self.ref_model.load_state_dict(state["ref_model"])
+        if not optimizer:
+            return
         self._load_optimizer_state(state["optimizer"])
         self.step = state["step"]
         self.rng.setstate(state["rng"])

@@ -29,7 +29,9 @@ Resume: the trainer state is restored when the checkpoint has `trainer-rank<r>.p
 the same world size (a multi-process checkpoint), or `trainer.pt` of a one-process DeepSpeed
 run launched with one process; otherwise (e.g. the nightly's torch-backend checkpoint) the
 weights carry over and the optimizer starts afresh, said in the output as
-`optimizer_state: "fresh: <why>"`. A wave already in the checkpoint's ledger is refused.
+`optimizer_state: "fresh: <why>"`. The KL reference (the run's starting policy) and the PPO
+value head are restored either way, from whichever trainer state the checkpoint has. A wave
+already in the checkpoint's ledger is refused.
 """
 
 from __future__ import annotations
@@ -78,19 +80,18 @@ def shard_groups(samples: list, rank: int, world: int) -> tuple[list, int]:
 
 
 def _trainer_state(path: Path, rank: int, world: int) -> tuple[dict | None, str]:
-    """(this rank's saved trainer state, "restored") or (None, "fresh: <why>")."""
-    ranked = path / f"trainer-rank{rank}.pt"
-    if ranked.exists():
-        state = torch.load(ranked, weights_only=False)
-    elif world == 1 and (path / "trainer.pt").exists():
-        state = torch.load(path / "trainer.pt", weights_only=False)
-    else:
-        return None, f"fresh: the checkpoint has no trainer state for rank {rank} of {world}"
+    """The checkpoint's trainer state for this rank (`trainer-rank<r>.pt`, else `trainer.pt`, else
+    rank 0's) and "restored" when its optimizer state is this rank's, else "fresh: <why>": the
+    KL reference and value head in it are then restored all the same. (None, "fresh: ...") if none."""
+    found = [p for p in (path / f"trainer-rank{rank}.pt", path / "trainer.pt", path / "trainer-rank0.pt") if p.exists()]
+    if not found:
+        return None, "fresh: the checkpoint has no trainer state"
+    state = torch.load(found[0], weights_only=False)
     if state.get("backend") != "deepspeed":
-        return None, f"fresh: the checkpoint's trainer state is the {state.get('backend')!r} backend's"
-    saved = state["optimizer"].get("world_size")
-    if saved != world:
-        return None, f"fresh: the checkpoint's trainer state was written by {saved} rank(s), this run has {world}"
+        return state, f"fresh: the checkpoint's trainer state is the {state.get('backend')!r} backend's"
+    saved = state["optimizer"].get("rank"), state["optimizer"].get("world_size")
+    if saved != (rank, world):
+        return state, f"fresh: the checkpoint's trainer state is rank {saved[0]} of {saved[1]}'s, this is rank {rank} of {world}"
     return state, "restored"
 
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
         state, restored = _trainer_state(path, rank, world)
         trainer = DeepSpeedTrainer(model, tokenizer.pad_token_id, cfg.train, cfg.rl, temperature=cfg.rollout.temperature)
         if state is not None:
-            trainer.load_state_dict(state)
+            trainer.load_state_dict(state, optimizer=restored == "restored")
 
     frame = store.read_table(wave_key)
     samples = trainer.assign_advantages(stages.train_samples(frame, engine.encode_prompts, cfg))

@@ -79,7 +79,7 @@ def load_engine(model_dir: str | Path, cfg: NightlyConfig, policy_version: int =
 
 
 def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict | None,
-           ledger: dict | None) -> PolicySession:
+           ledger: dict | None, optimizer: bool) -> PolicySession:
     engine = load_engine(model_dir, cfg)
     model, tokenizer = engine.model, engine.tokenizer
     if cfg.train.backend == "deepspeed":
@@ -88,7 +88,7 @@ def _build(run_id: str, model_dir: Path, cfg: NightlyConfig, trainer_state: dict
         Trainer = TorchTrainer
     trainer = Trainer(model, tokenizer.pad_token_id, cfg.train, cfg.rl, temperature=cfg.rollout.temperature)
     if trainer_state is not None:
-        trainer.load_state_dict(trainer_state)
+        trainer.load_state_dict(trainer_state, optimizer=optimizer)
     ledger = ledger or {"version": 0, "consumed_waves": []}
     return PolicySession(run_id, ledger["version"], model, tokenizer, engine, trainer, list(ledger["consumed_waves"]))
 
@@ -100,9 +100,12 @@ def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     store = store_for(policy.checkpoint)
     with scratch_dir("restore") as tmp:
         path = load_checkpoint(store, policy.checkpoint, Path(tmp))
-        state = torch.load(path / "trainer.pt", weights_only=False) if (path / "trainer.pt").exists() else None
+        # ratchet.train.launch writes trainer-rank<r>.pt: rank 0's optimizer partition is not this
+        # process's, but its KL reference and value head are the run's
+        found = [p for p in (path / "trainer.pt", path / "trainer-rank0.pt") if p.exists()]
+        state = torch.load(found[0], weights_only=False) if found else None
         ledger = json.loads((path / "ledger.json").read_text()) if (path / "ledger.json").exists() else None
-        session = _build(policy.run_id, path, cfg, state, ledger)
+        session = _build(policy.run_id, path, cfg, state, ledger, optimizer=(path / "trainer.pt").exists())
     with _LOCK:
         _SESSIONS[policy.run_id] = session
     return session

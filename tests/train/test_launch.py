@@ -17,14 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ratchet.config import RLConfig, RolloutConfig, TrainConfig
+from ratchet.config import NightlyConfig, RLConfig, RolloutConfig, StoreConfig, TrainConfig
 from ratchet.model import save_policy
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.rollout.wave import wave_frame
 from ratchet.store import open_store
 from ratchet.train.batching import TrainSample
 from ratchet.train.checkpoint import save_checkpoint
-from ratchet.train.launch import shard_groups
+from ratchet.train.launch import _trainer_state, shard_groups
+from ratchet.train.session import PolicyRef, restore
+from ratchet.train.torch_trainer import TorchTrainer
 from tests.train import tiny
 from tests.train.test_trainers import GradCapture
 
@@ -121,6 +123,67 @@ def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
     assert sorted((g["stage"], g["rank"]) for g in got) == [(2, 0), (2, 1), (3, 0), (3, 1)]
     for g in got:
         assert g["grad_norm"] == pytest.approx(want, rel=1e-5)
+
+
+_KL_PPO = RLConfig(kl_coef=0.1, estimator="gae")
+
+
+def _trained_state():
+    """A torch trainer's state after one wave (KL reference and value head in it) and the weights it
+    trained: they have moved away from the run's start (`tiny.model()`), the KL reference has not."""
+    model = tiny.model()
+    t = TorchTrainer(model, tiny.tokenizer().pad_token_id, TrainConfig(lr=1e-2), _KL_PPO)
+    t.train_wave(t.assign_advantages(tiny.wave(model, seed=1, n_groups=2, group_size=4)))
+    assert any(not torch.equal(v, tiny.model().state_dict()[k]) for k, v in model.state_dict().items())
+    return t.state_dict(), model
+
+
+def _keeps_the_run(trainer, saved: dict) -> None:
+    start = tiny.model().state_dict()
+    assert all(torch.equal(v.cpu(), start[k]) for k, v in trainer.ref_model.state_dict().items())
+    head = trainer.module.value_head.state_dict()
+    assert all(torch.equal(head[k].cpu(), v) for k, v in saved["value_head"].items())
+    assert trainer.step == 0                                             # the optimizer and its step: afresh
+
+
+def test_a_fresh_optimizer_keeps_the_runs_kl_reference_and_value_head(tmp_path):
+    """launch on a trainer state its optimizer cannot take (the nightly's torch backend's trainer.pt, or
+    another world size's trainer-rank<r>.pt) still restores the KL reference, the run's starting policy
+    (it became a copy of the checkpoint's weights), and the PPO value head (it restarted at 0)."""
+    from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
+
+    saved, model = _trained_state()
+    torch.save(saved, tmp_path / "trainer.pt")
+    state, why = _trainer_state(tmp_path, 0, 1)
+    assert why == "fresh: the checkpoint's trainer state is the 'torch' backend's"
+    trainer = DeepSpeedTrainer(model, tiny.tokenizer().pad_token_id, TrainConfig(backend="deepspeed"), _KL_PPO)
+    trainer.load_state_dict(state, optimizer=why == "restored")                    # as launch.main does
+    _keeps_the_run(trainer, saved)
+
+    (tmp_path / "trainer.pt").unlink()
+    torch.save({**saved, "backend": "deepspeed", "optimizer": {"rank": 0, "world_size": 2}}, tmp_path / "trainer-rank0.pt")
+    state, why = _trainer_state(tmp_path, 2, 3)                            # no trainer-rank2.pt: rank 0's
+    assert why == "fresh: the checkpoint's trainer state is rank 0 of 2's, this is rank 2 of 3"
+    assert state["ref_model"] is not None and state["value_head"] is not None
+    assert _trainer_state(tmp_path, 0, 2)[1] == "restored"
+
+
+def test_the_nightly_restores_a_launch_checkpoint_with_the_runs_kl_reference_and_value_head(tmp_path):
+    """A checkpoint written by launch has only trainer-rank<r>.pt: the in-process session starts its
+    optimizer afresh but takes the KL reference and value head from rank 0's state."""
+    saved, model = _trained_state()
+    store = open_store(str(tmp_path / "store"))
+
+    def write(d: Path) -> None:
+        save_policy(model, tiny.tokenizer(), d)
+        torch.save({**saved, "backend": "deepspeed", "optimizer": {"rank": 0, "world_size": 2}}, d / "trainer-rank0.pt")
+        (d / "ledger.json").write_text(json.dumps({"run_id": "r", "version": 1, "consumed_waves": [0]}))
+
+    ref = save_checkpoint(store, "r", 1, write)
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path / "store")), model=tiny.TINY, rl=_KL_PPO)
+    session = restore(PolicyRef(run_id="r", version=1, checkpoint=ref), cfg)
+    assert session.version == 1
+    _keeps_the_run(session.trainer, saved)
 
 
 @pytest.mark.slow
