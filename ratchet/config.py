@@ -324,7 +324,8 @@ class TrainConfig(Frozen):
     updates_per_batch: int = Field(2, ge=1, le=64, description="Passes over each minibatch (PPO epochs).")
     token_budget: int = Field(8192, ge=64, le=10_000_000, description="Micro-batch size in tokens (dynamic batching).")
     max_grad_norm: float = Field(1.0, gt=0, le=1000, description="Gradient clipping norm.")
-    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (3: only for `python -m ratchet.train.launch`; "
+                            "a run samples in-process from the trainer's module, which ZeRO-3 partitions).")
     offload: bool = Field(False, description="DeepSpeed: offload optimizer state to CPU (and, at ZeRO-3, the parameters).")
     bf16: bool = Field(False, description="bf16 autocast (GPU) / DeepSpeed bf16.")
     seed: int = Field(0, ge=0, description="Seed for data order and sampling.")

@@ -28,7 +28,8 @@ show up minutes (or waves) later, found in a second and reported all at once.
 - the embedded model: hidden_size splits into num_heads heads of even size (rotary); no
   chat_template "on" (its tokenizer has no template); rollout.max_new_tokens leaves room for a
   prompt in model.max_seq_len;
-- train.backend deepspeed: deepspeed is installed.
+- train.backend deepspeed: deepspeed is installed; zero_stage is not 3 (the run's in-process engine
+  samples and evaluates with the trainer's module, whose parameters ZeRO-3 partitions).
 No Prefect is imported here, and nothing but a missing S3 bucket is ever created.
 """
 
@@ -74,6 +75,10 @@ def check(cfg: NightlyConfig) -> list[str]:
     problems += _sources(cfg)
     if cfg.train.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append("train.backend: 'deepspeed' is not installed in this environment (pip install deepspeed)")
+    if cfg.train.backend == "deepspeed" and cfg.train.zero_stage == 3:
+        problems.append("train.zero_stage 3: ZeRO-3 partitions the policy's parameters, and the run samples and "
+                        "evaluates with that same module in this process (its engine would see empty weights); use "
+                        "zero_stage 0-2 for a run (ZeRO-3 trains a stored wave with `python -m ratchet.train.launch`)")
     return problems
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig, StoreConfig
+from ratchet.config import EnvsConfig, ModelConfig, NightlyConfig, StoreConfig, TrainConfig
 from ratchet.preflight import SettingsError, check, check_run_id, check_store, require
 from tests.model.tiny import preflight_reads_weights, tiny_llama
 
@@ -226,6 +226,19 @@ def test_chat_template_on_needs_a_model_path(tmp_path):
         "model.chat_template 'on': the embedded model (no model.path) has no chat template (set 'auto' or 'off', "
         "or give a model.path whose tokenizer has one)"]
     assert check(NightlyConfig(model=ModelConfig(chat_template="auto"), store=store)) == []
+
+
+def test_zero3_is_refused_for_a_run_that_samples_in_process(tmp_path):
+    """ZeRO-3 partitions the module the in-process engine samples and evaluates with: generate failed
+    with an IndexError on the empty weights (sync) or a size mismatch (async copy), after the run began."""
+    store = StoreConfig(uri=str(tmp_path / "store"))
+    problems = check(NightlyConfig(train=TrainConfig(backend="deepspeed", zero_stage=3), store=store))
+    assert [p for p in problems if "zero_stage" in p] == [
+        "train.zero_stage 3: ZeRO-3 partitions the policy's parameters, and the run samples and evaluates with "
+        "that same module in this process (its engine would see empty weights); use zero_stage 0-2 for a run "
+        "(ZeRO-3 trains a stored wave with `python -m ratchet.train.launch`)"]
+    assert not [p for p in check(NightlyConfig(train=TrainConfig(backend="deepspeed", zero_stage=2), store=store))
+                if "zero_stage" in p]
 
 
 def test_require_lists_every_problem(tmp_path):
