@@ -28,19 +28,38 @@ def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
                            agent=cfg.agent)
 
 
+def protocol(cfg: NightlyConfig) -> dict:
+    """What an evaluation's figures depend on besides the weights and the tasks: two records are
+    compared (promotion, the vertical table) only under one protocol."""
+    return {"n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
+            "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
+            "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass}
+
+
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig) -> dict:
     """Held-out pass@1 (and pass@k) of the policy with its CI, per family / difficulty / source;
     per-sample results to runs/<id>/eval/<version>.parquet. Kept per policy version, so a retry or
-    a resumed run does not evaluate twice."""
+    a resumed run does not evaluate twice; a run resumed under another evaluation protocol stops
+    here, at its base evaluation, naming what changed (it would otherwise compare records of two
+    protocols, or fail at promotion after all its training)."""
     store = open_store(cfg.store)
     key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
+    now = protocol(cfg)
     if store.exists(f"{key}.json"):
-        return store.get_json(f"{key}.json")
+        kept = store.get_json(f"{key}.json")
+        was = kept.get("protocol", now)          # records from before protocols were kept: as now
+        changed = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
+        if changed:
+            raise ValueError(f"run {policy.run_id}: policy v{policy.version} was evaluated with "
+                             + ", ".join(f"{k} {a!r}" for k, (a, _) in changed.items()) + "; this attempt has "
+                             + ", ".join(f"{k} {b!r}" for k, (_, b) in changed.items())
+                             + ": resume with the run's own settings, or start a new run id")
+        return kept
     session = sessions.open_session(policy, cfg)
     result = _eval(session.engine, heldout, cfg)
     ref = store.write_table(f"{key}.parquet", result.rows)
-    out = {"version": policy.version, "eval": ref.uri, **result.summary(cfg.eval.confidence)}
+    out = {"version": policy.version, "eval": ref.uri, "protocol": now, **result.summary(cfg.eval.confidence)}
     get_run_logger().info("policy v%d held-out pass@1 %.3f (CI %s) pass@k %s%s", policy.version, out["pass_rate"],
                           out["ci"], out["pass_at"], f", by turn {out['turns']}" if "turns" in out else "")
     store.put_json(f"{key}.json", out)
@@ -59,14 +78,15 @@ def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: Nigh
     now = pointer.uri if pointer else None
     if store.exists(key):
         kept = store.get_json(key)
-        if now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None):
+        if (now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None)
+                and kept.get("protocol") == protocol(cfg)):
             return kept["result"]
     result = None
     if pointer is not None:
         with scratch_dir("incumbent") as tmp:
             got = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
         result = {"checkpoint": now, **got.summary(cfg.eval.confidence)}
-    store.put_json(key, {"checkpoint": now, "result": result})
+    store.put_json(key, {"checkpoint": now, "protocol": protocol(cfg), "result": result})
     return result
 
 

@@ -79,3 +79,23 @@ def test_a_run_resumed_after_it_promoted_is_judged_against_what_it_beat(tmp_path
         assert promote.fn(policy, _results(120), resumed, cfg)["promoted"]
         other = PolicyRef(run_id="s", version=3, checkpoint=old, checkpoint_version=3)
         assert evaluate_incumbent.fn(other, [], cfg)["checkpoint"] == mine.uri and len(judged) == 2   # another run
+
+
+def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_changed(tmp_path):
+    """Kept evaluations are reused on resume. One made with eval.samples 1 beside an incumbent
+    evaluated now with 4 failed at promotion, after all the training (and a changed temperature or
+    turn count compared two protocols silently): the resumed run's base evaluation refuses instead."""
+    import pytest
+
+    from tasks.evaluate import evaluate, protocol
+
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)))
+    store = open_store(cfg.store)
+    kept = {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg)}
+    store.put_json("runs/r/eval/000000.json", kept)
+    base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
+    assert evaluate.fn(base, [], cfg) == kept                                   # the same settings: reused
+    other = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples": 4})})
+    with pytest.raises(ValueError, match=r"^run r: policy v0 was evaluated with samples 1; this attempt has "
+                                         r"samples 4: resume with the run's own settings"):
+        evaluate.fn(base, [], other)
