@@ -75,18 +75,18 @@ def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: Nigh
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     key = f"runs/{policy.run_id}/eval/incumbent.json"
-    now = pointer.uri if pointer else None
+    now, judged_under = pointer.uri if pointer else None, protocol(cfg)
     if store.exists(key):
         kept = store.get_json(key)
         if (now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None)
-                and kept.get("protocol") == protocol(cfg)):
+                and kept.get("protocol") == judged_under):
             return kept["result"]
     result = None
     if pointer is not None:
         with scratch_dir("incumbent") as tmp:
             got = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
         result = {"checkpoint": now, **got.summary(cfg.eval.confidence)}
-    store.put_json(key, {"checkpoint": now, "protocol": protocol(cfg), "result": result})
+    store.put_json(key, {"checkpoint": now, "protocol": judged_under, "result": result})
     return result
 
 

@@ -6,7 +6,8 @@
 
 Only a model directory (cfg.model.path) is checked, by its tokenizer as the rollout engine counts,
 against the run's context: model.max_seq_len, at most the model's own (ratchet/room.py,
-ratchet.model.PromptRoom); the embedded model's tokenizer is trained later, from the tasks. A table that loses tasks is rewritten for this run only:
+ratchet.model.PromptRoom); the embedded model's tokenizer is trained later, from the tasks. A
+table that loses tasks is rewritten for this run only:
 runs/<run_id>/context/<family>/<version>/{passed,heldout_passed}.parquet. The audit's shared tables
 (envs/<family>/<version>/) are never written here.
 """
