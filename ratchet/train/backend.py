@@ -105,6 +105,7 @@ class Trainer(ABC):
 
     backend = "base"
     share_prompts = True  # forward each distinct prompt once per micro-batch (not with a value head)
+    pack_shared = staticmethod(pack_by_prompt)   # how that layout's micro-batches are cut
 
     def __init__(self, model, pad_id: int, cfg: TrainConfig, rl: RLConfig, temperature: float = 1.0):
         self.model, self.pad_id, self.cfg, self.rl, self.temperature = model, pad_id, cfg, rl, temperature
@@ -302,7 +303,7 @@ class Trainer(ABC):
         live = [s for s in minibatch if not self._zero_grad_sample(s)] or [shortest]
         metrics: dict[str, float] = {}
         shared = self.share_prompts and not self.ppo  # the value head reads hidden states of the plain layout
-        pack = pack_by_prompt if shared else pack_by_tokens
+        pack = self.pack_shared if shared else pack_by_tokens
         micros = pack(live, self.cfg.token_budget)
         # a rank with fewer micro-batches than another runs its shortest row again at zero loss: the same
         # forwards and backwards on every rank, so the collectives inside them pair up
