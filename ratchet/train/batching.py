@@ -59,20 +59,26 @@ def loss_mask_of(s: TrainSample) -> Tensor:
     return torch.tensor(s.loss_mask, dtype=torch.float32)
 
 
+# What a micro-batch costs beyond its padded tokens, in tokens: a forward and backward of the
+# embedded model on one thread take about 15 ms + 0.18 ms per token (2026-12-06), so ~100.
+MICRO_OVERHEAD_TOKENS = 100
+MAX_MICRO_ROWS = 256
+
+
+def pack_rows(lengths: list[int], budget: int, overhead: int = MICRO_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Rows of these lengths cut into micro-batches (their indices), each padded to its longest row:
+    rows * longest <= budget (a longer row alone), the least padded size in all with `overhead`
+    counted per micro-batch. Rows go in order of length; the plain layout and SFT batches."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: (lengths[i], i))
+    return _cheapest_cuts(order, [0] * n, [0] * n, lengths, budget, overhead)[1]
+
+
 def pack_by_tokens(samples: list[TrainSample], budget: int) -> list[list[TrainSample]]:
-    """Greedy packing by padded size: rows * longest row <= budget (at least one row each)."""
-    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
-    batches: list[list[TrainSample]] = []
-    current: list[TrainSample] = []
-    for s in ordered:
-        length = len(s.prompt_ids) + len(s.completion_ids)
-        if current and (len(current) + 1) * length > budget:
-            batches.append(current)
-            current = []
-        current.append(s)
-    if current:
-        batches.append(current)
-    return batches
+    """Micro-batches for the plain layout: rows * longest row <= budget (a longer row alone), the
+    least padded size in all (`pack_rows`)."""
+    return [[samples[i] for i in micro]
+            for micro in pack_rows([len(s.prompt_ids) + len(s.completion_ids) for s in samples], budget)]
 
 
 def collate(samples: list[TrainSample], pad_id: int):
@@ -94,12 +100,6 @@ def collate(samples: list[TrainSample], pad_id: int):
     return ids, attn, mask, behavior, advantages_of(samples, [len(s.prompt_ids) - 1 for s in samples], L - 1)
 
 
-# What a micro-batch costs beyond its padded tokens, in tokens: a forward and backward of the
-# embedded model on one thread take about 15 ms + 0.18 ms per token (2026-12-06), so ~100.
-MICRO_OVERHEAD_TOKENS = 100
-MAX_MICRO_ROWS = 256
-
-
 def pack_by_prompt(samples: list[TrainSample], budget: int,
                    overhead: int = MICRO_OVERHEAD_TOKENS) -> list[list[TrainSample]]:
     """Micro-batches for the prompt-shared layout, each of padded size (prompts * P + rows * C)
@@ -118,27 +118,29 @@ def pack_by_prompt(samples: list[TrainSample], budget: int,
         by_group.setdefault(prompt[i], []).append(i)
     grouped = [i for g in sorted(by_group.values(), key=lambda g: (max(size(i) for i in g), g[0])) for i in g]
     by_length = sorted(range(len(samples)), key=lambda i: (len(samples[i].completion_ids), prompt[i], i))
-    _, cuts = min((_cheapest_cuts(order, samples, prompt, budget, overhead) for order in (grouped, by_length)),
+    heads, tails = [len(s.prompt_ids) for s in samples], [len(s.completion_ids) for s in samples]
+    _, cuts = min((_cheapest_cuts(order, prompt, heads, tails, budget, overhead) for order in (grouped, by_length)),
                   key=lambda plan: plan[0])
     return [[samples[i] for i in micro] for micro in cuts]
 
 
-def _cheapest_cuts(order: list[int], samples: list[TrainSample], prompt: list[int], budget: int,
+def _cheapest_cuts(order: list[int], key: list[int], head: list[int], tail: list[int], budget: int,
                    overhead: int) -> tuple[int, list[list[int]]]:
     """The cut of `order` into consecutive micro-batches of the least total padded size plus
-    `overhead` each (dynamic programming over the cut points; a micro-batch holds at most
-    MAX_MICRO_ROWS rows, which bounds the work at n * MAX_MICRO_ROWS): (that total, the micro-batches)."""
+    `overhead` each, item i being a shared head (`key[i]`: forwarded once per micro-batch, padded to
+    the longest, `head[i]` tokens) and a tail of its own (`tail[i]`, padded to the longest): dynamic
+    programming over the cut points, a micro-batch at most MAX_MICRO_ROWS rows (the work is then
+    n * MAX_MICRO_ROWS). Returns (that total, the micro-batches' items)."""
     n = len(order)
     best, back = [0] + [None] * n, [0] * (n + 1)
     for j in range(1, n + 1):
         seen: set[int] = set()
-        longest_prompt = longest_completion = 0
+        longest_head = longest_tail = 0
         for i in range(j - 1, max(j - MAX_MICRO_ROWS, 0) - 1, -1):   # the micro-batch order[i:j]
-            s = samples[order[i]]
-            seen.add(prompt[order[i]])
-            longest_prompt = max(longest_prompt, len(s.prompt_ids))
-            longest_completion = max(longest_completion, len(s.completion_ids))
-            padded = len(seen) * longest_prompt + (j - i) * longest_completion
+            item = order[i]
+            seen.add(key[item])
+            longest_head, longest_tail = max(longest_head, head[item]), max(longest_tail, tail[item])
+            padded = len(seen) * longest_head + (j - i) * longest_tail
             if padded > budget and i < j - 1:
                 break                                         # it only grows as the micro-batch does
             total = best[i] + padded + overhead

@@ -24,6 +24,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from ratchet.config import ModelConfig
+from ratchet.train.batching import pack_rows
 
 Segments = Sequence[tuple[str, bool]]
 Demo = tuple[str, Union[str, Segments]]
@@ -60,9 +61,13 @@ def demo_sequence(tokenizer, demo: Demo, where: str = "demo") -> tuple[list[int]
 
 
 def sft(model, tokenizer, examples: Sequence[Demo], steps: int, batch_size: int, lr: float,
-        seed: int = 0, log=None) -> list[float]:
+        seed: int = 0, log=None, token_budget: int = 8192) -> list[float]:
     """Train on demonstrations for `steps` steps; returns the loss per step. An example is a (prompt,
-    completion) pair or a revision demo (prompt, [(text, trainable), ...]) (see `demo_sequence`)."""
+    completion) pair or a revision demo (prompt, [(text, trainable), ...]) (see `demo_sequence`).
+    A step's batch is cut into micro-batches of rows of like length (`pack_rows`, at most
+    `token_budget` padded tokens each: a revision demo is several times a plain one's length, and
+    one micro-batch padded every row to the longest); the loss is the mean over the batch's
+    trained tokens, so the gradient is the one of the whole batch at once."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id
@@ -72,16 +77,23 @@ def sft(model, tokenizer, examples: Sequence[Demo], steps: int, batch_size: int,
     model.train()
     losses = []
     for step in range(steps):
-        ids, attn, labels = sft_batch([seqs[rng.randrange(len(seqs))] for _ in range(batch_size)], pad)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        batch = [seqs[rng.randrange(len(seqs))] for _ in range(batch_size)]
+        targets = max(1, sum(sum(mask[1:]) for _, mask in batch))   # tokens predicted (the first is never)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for micro in pack_rows([len(ids) for ids, _ in batch], token_budget):
+            ids, attn, labels = sft_batch([batch[i] for i in micro], pad)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]                # [B, T-1, V]
+            part = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(),
+                                                     ignore_index=-100, reduction="sum") / targets
+            part.backward()
+            loss += part.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())
+        losses.append(loss)
         if log and (step % 20 == 0 or step == steps - 1):
-            log(f"sft step {step + 1}/{steps} loss {loss.item():.3f}")
+            log(f"sft step {step + 1}/{steps} loss {loss:.3f}")
     model.eval()
     return losses
 

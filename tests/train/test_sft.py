@@ -81,6 +81,19 @@ def test_sft_loss_is_the_cross_entropy_of_the_trainable_tokens_only():
     assert (labels[attn == 0] == -100).all()
 
 
+def test_micro_batches_give_the_whole_batch_step():
+    """A batch of plain and revision demos (lengths ~2x apart), trained in micro-batches of like length
+    or as one padded batch: the same losses and the same weights, to float rounding."""
+    tok = tiny.tokenizer()
+    demos = [(PROMPT, FIX), (PROMPT, WRONG), (PROMPT, [(WRONG, False), (OBSERVATION, False), (FIX, True)])]
+    models = {budget: tiny.model() for budget in (10_000, 1)}          # one batch; a micro-batch per row
+    losses = {budget: sft(m, tok, demos, steps=3, batch_size=6, lr=1e-2, token_budget=budget)
+              for budget, m in models.items()}
+    assert losses[10_000] == pytest.approx(losses[1], rel=1e-5)
+    for a, b in zip(models[10_000].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_warm_start_mixes_revision_demos_in(tmp_path):
     fam = get_family("python_functions")
     specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
