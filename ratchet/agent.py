@@ -165,10 +165,12 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     """Figures of a set of episodes, each given as its turn records (`turn_records`, or a trajectory
     row's `turns`: `passed`, `env_error`, `action`, `action_tokens`, `observation_tokens` per turn; the
     evaluation's carry no `env_error`). Episodes that ended in an env_error are left out (counted in
-    `env_errors`). `pass_after_turn[k-1]`: the share passed by turn k, k = 1..max_turns (passed at
-    turn j counts for every k >= j; an episode that ended sooner keeps its state); `pass_turn1`,
-    `pass_last`; `fix_rate`: of the episodes that failed turn 1 (`failed_turn1`), the share that
-    passed later (None when none failed); `mean_turns`, `mean_action_tokens` (sampled),
+    `env_errors`). `pass_after_turn[k-1]`: the share whose answer as of turn k passes, k =
+    1..max_turns (the episode's state after turn k, as per-turn credit values it: an episode that
+    ended sooner keeps its last answer; with `agent.stop_on_pass` off, an answer that passed and was
+    then revised into a failure counts as failed, so `pass_last` is what the last answer, the one
+    promotion judges, scores); `pass_turn1`, `pass_last`; `fix_rate`: of the episodes that failed
+    turn 1 (`failed_turn1`), the share whose last answer passes (None when none failed); `mean_turns`, `mean_action_tokens` (sampled),
     `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
     carry their `action`, the share that repeat the answer before them, leading and trailing whitespace
     aside (a repeat cannot pass a deterministic task: a revision spent); `ends`: episodes that ended
@@ -182,12 +184,11 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
-    def passed_at(e: Sequence[dict]) -> int | None:
-        return next((k for k, t in enumerate(e, 1) if t["passed"]), None)
+    def passes_after(e: Sequence[dict], k: int) -> float:
+        return float(bool(e[min(k, len(e)) - 1]["passed"]))
 
-    first = [passed_at(e) for e in ok]
-    after = [mean([float(j is not None and j <= k) for j in first]) for k in range(1, max_turns + 1)]
-    failed1 = [j for j in first if j != 1]
+    after = [mean([passes_after(e, k) for e in ok]) for k in range(1, max_turns + 1)]
+    failed1 = [e for e in ok if not e[0]["passed"]]
     repeated = [float(repeats(e[k]["action"], e[k - 1]["action"]))
                for e in ok for k in range(1, len(e)) if "action" in e[k]]
     ends = {"passed": 0, "turns": 0, "context": 0}
@@ -196,7 +197,7 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     return {
         "episodes": len(ok), "env_errors": len(episodes) - len(ok),
         "pass_after_turn": after, "pass_turn1": after[0], "pass_last": after[-1],
-        "fix_rate": mean([float(j is not None) for j in failed1]), "failed_turn1": len(failed1),
+        "fix_rate": mean([passes_after(e, len(e)) for e in failed1]), "failed_turn1": len(failed1),
         "mean_turns": mean([len(e) for e in ok]),
         "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e) for e in ok]),
         "mean_observation_tokens": mean([sum(t.get("observation_tokens") or 0 for t in e) for e in ok]),

@@ -161,11 +161,11 @@ def test_episode_metrics_by_hand():
                _result([False, False, False], "turns",    # never; its second answer repeats the first
                        ["    return x\n", "    return x", "    return -x\n"]),
                _result([False, False], "context"),        # never (out of context after 2)
-               _result([True, False, False], "turns"),    # passed at 1 (stop_on_pass off), then regressed: passed
+               _result([True, False, False], "turns"),    # passed at 1 (stop_on_pass off), then regressed: failed
                _result([False, None], "done")]            # env_error at turn 2: left out
     m = episode_metrics([turn_records(r) for r in results], 3)
     assert m["episodes"] == 6 and m["env_errors"] == 1
-    assert m["pass_after_turn"] == pytest.approx([2 / 6, 3 / 6, 4 / 6])
+    assert m["pass_after_turn"] == pytest.approx([2 / 6, 2 / 6, 3 / 6])  # the state after each turn: the regression counts
     assert (m["pass_turn1"], m["pass_last"]) == (m["pass_after_turn"][0], m["pass_after_turn"][2])
     assert m["failed_turn1"] == 4 and m["fix_rate"] == pytest.approx(2 / 4)
     assert m["mean_turns"] == pytest.approx((1 + 3 + 2 + 3 + 2 + 3) / 6)
