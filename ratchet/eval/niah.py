@@ -120,12 +120,16 @@ def default_lengths(limit: int, answer_room: int, n: int = 4, least: int = 64) -
 class NiahResult:
     rows: pl.DataFrame     # one row per haystack: length, depth, trial, key, answer, recalled, ...
     limit: int             # the model's max_position_embeddings
+    answer_room: int = 0   # new tokens the answer may take after the prompt
 
     def table(self) -> pl.DataFrame:
-        """Recall per depth (rows) and length (columns), the mean over trials."""
+        """Recall per depth (rows) and length (columns), the mean over trials; a length marked `*`
+        puts the prompt or its answer past the model's context (what `check_lengths` refuses
+        without beyond_limit)."""
         cells = self.rows.group_by("depth", "length").agg(pl.col("recalled").mean().alias("recall"))
         wide = cells.sort("length").pivot(on="length", index="depth", values="recall").sort("depth")
-        return wide.rename({c: f"{c}*" if int(c) > self.limit else c for c in wide.columns if c != "depth"})
+        return wide.rename({c: f"{c}*" if int(c) + self.answer_room > self.limit else c
+                            for c in wide.columns if c != "depth"})
 
     def text(self) -> str:
         table = self.table()
@@ -186,7 +190,7 @@ def probe(model, tokenizer, cfg: NiahConfig = NiahConfig(), engine=None, progres
                          "needle_at": h.needle_at, "key": h.key, "answer": out.text, "recalled": recalled(out.text, h.key)})
         if progress:
             progress(len(rows), total)
-    return NiahResult(pl.DataFrame(rows), limit)
+    return NiahResult(pl.DataFrame(rows), limit, answer_room)
 
 
 def retrieval_examples(tokenizer, n: int, max_len: int, key_digits: int = 5, seed: int = 0) -> list[tuple[str, str]]:

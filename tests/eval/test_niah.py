@@ -112,8 +112,8 @@ def test_probe_on_a_real_tiny_model_and_its_limits(tok):
     assert result.rows["answer"].str.len_chars().min() > 0                   # the model's own greedy tokens
     with pytest.raises(ValueError, match="length 200.*exceeds the model's context of 128"):
         probe(model, tok, NiahConfig(lengths=(200,)))
-    beyond = probe(model, tok, NiahConfig(lengths=(200,), depths=(1.0,), trials=1, beyond_limit=True))
-    assert beyond.table().columns == ["depth", "200*"]
+    beyond = probe(model, tok, NiahConfig(lengths=(124, 200), depths=(1.0,), trials=1, beyond_limit=True))
+    assert beyond.table().columns == ["depth", "124*", "200*"]   # 124 fits, its 8 answer tokens do not
 
 
 def test_linear_rope_divides_the_frequencies(tok):
