@@ -84,9 +84,10 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
         return lines[0] + "\n"
     describe = describe or _call_describer(spec)
     failed = _unique(list(feedback.get("failed_tests") or []))
-    shown = [f"- {_cut(describe(t))}" for t in failed[:MAX_FAILED_SHOWN]]
-    if len(failed) > MAX_FAILED_SHOWN:
-        shown.append(f"- ... {len(failed) - MAX_FAILED_SHOWN} more failed")
+    said = _unique([f"- {_cut(describe(t))}" for t in failed])   # two calls of the same args read alike: one line
+    shown = said[:MAX_FAILED_SHOWN]
+    if len(said) > MAX_FAILED_SHOWN:
+        shown.append(f"- ... {len(said) - MAX_FAILED_SHOWN} more failed")
     tail = [_cut(ln) for ln in error_lines(feedback) if not any(ln in s for s in shown)]
     if _never_ran(spec, failed, metrics):
         return "\n".join(lines + tail[::-1] + shown) + "\n"

@@ -96,6 +96,14 @@ def test_more_failures_than_shown_are_counted():
                          + ["- ... 3 more failed"])
 
 
+def test_calls_that_read_alike_are_one_line():
+    """A task that calls f(3) twice (names differ, texts do not) spends its observation budget on one line."""
+    fb = FEEDBACK | {"failed_tests": [{"name": f"call {i}", "detail": "args [3]: expected 6, got 5"} for i in range(6)]
+                     + [{"name": "call 6", "detail": "args [4]: expected 7, got 6"}]}
+    lines = feedback_text(_fn_spec(n_tests=7), fb, {"tests_passed": 0, "tests_total": 7}).splitlines()
+    assert lines[1:] == ["- f(3): expected 6, got 5", "- f(3): got 5, wrong", "- f(4): got 6, wrong"]
+
+
 @pytest.mark.parametrize("n_tests, shown", [(1, 0), (2, 0), (3, 1), (6, 2), (10, 3)])
 def test_an_observation_is_not_an_answer_key(n_tests, shown):
     """Expected values of the first third of the hidden calls at most: an answer special-casing what it
