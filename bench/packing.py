@@ -17,6 +17,12 @@ tokens, observations 38-48. The embedded model's architecture (hidden 192, 4 lay
 weights; the same rows and advantages for both packings, trained from the same weights,
 interleaved, one torch thread; medians. Both packings give the same gradient (checked: the
 largest difference of the trained weights, printed, is float rounding).
+
+Also the warm start's SFT (`ratchet.train.sft.sft`): a step's batch of 32 demos, half plain
+answers and half revision demos (one or two wrong answers, each with its feedback, then the fix:
+2-3x a plain demo's length), as one padded batch (the code before 2026-12-06) against
+micro-batches of like length (`pack_rows`, the default); the same
+steps from the same weights, interleaved; the last losses, printed, agree to float rounding.
 """
 
 from __future__ import annotations
@@ -77,11 +83,30 @@ def wave(rng: random.Random, vocab: int, groups: int, turns: int):
     return rows
 
 
+def demos(rng: random.Random, n: int):
+    """Plain demos (prompt, body) and revision demos (prompt, [(wrong, False), (feedback, False), ..., (fix, True)])."""
+    def body() -> str:
+        return "".join(f"    x = x + {rng.randint(0, 99)}\n" for _ in range(rng.randint(2, 5))) + "    return x\n"
+    out = []
+    for i in range(n):
+        prompt = f"# add some numbers to x ({i})\ndef f(x):\n"
+        if i % 2 == 0:
+            out.append((prompt, body()))
+            continue
+        segments = []
+        for _ in range(rng.randint(1, 2)):
+            segments += [(body(), False), (f"Tests: {rng.randint(0, 5)} of 6 passed.\n- f({rng.randint(0, 9)}): expected "
+                                           f"{rng.randint(0, 99)}, got {rng.randint(0, 99)}\nRevise your answer.\ndef f(x):\n", False)]
+        out.append((prompt, segments + [(body(), True)]))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", type=int, default=32, help="groups (prompts) per wave, 8 rows each")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sft-steps", type=int, default=20, help="SFT steps per timing")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -115,6 +140,25 @@ def main() -> None:
                      "greedy_s": round(med["greedy"], 3), "least_padding_s": round(med["least_padding"], 3),
                      "ratio": round(med["least_padding"] / med["greedy"], 3),
                      "max_weight_diff": float(f"{(weights['greedy'] - weights['least_padding']).abs().max():.3g}")}
+    from ratchet.train.batching import pack_rows
+    from ratchet.train.sft import sft
+
+    examples = demos(rng, 512)
+    sft_tokenizer = build_tokenizer([p + (r if isinstance(r, str) else "".join(t for t, _ in r)) for p, r in examples],
+                                    cfg.vocab_size)
+    sft_model = build_model(cfg, sft_tokenizer)
+    times = {"one_batch": [], "least_padding": []}
+    last = {}
+    for _ in range(args.repeats):
+        for name, pack in (("one_batch", lambda lengths, budget: [list(range(len(lengths)))]), ("least_padding", pack_rows)):
+            policy = copy.deepcopy(sft_model)
+            t0 = time.perf_counter()
+            last[name] = sft(policy, sft_tokenizer, examples, steps=args.sft_steps, batch_size=32, lr=3e-3, pack=pack)[-1]
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    out["sft"] = {"steps": args.sft_steps, "batch": 32, "one_batch_s": round(med["one_batch"], 3),
+                  "least_padding_s": round(med["least_padding"], 3), "ratio": round(med["least_padding"] / med["one_batch"], 3),
+                  "last_loss": {k: round(v, 5) for k, v in last.items()}}
     print(json.dumps({**out, "repeats": args.repeats, "threads": args.threads, "cpus": os.cpu_count(),
                       "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 

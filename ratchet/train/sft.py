@@ -61,13 +61,15 @@ def demo_sequence(tokenizer, demo: Demo, where: str = "demo") -> tuple[list[int]
 
 
 def sft(model, tokenizer, examples: Sequence[Demo], steps: int, batch_size: int, lr: float,
-        seed: int = 0, log=None, token_budget: int = 8192) -> list[float]:
+        seed: int = 0, log=None, token_budget: int = 8192,
+        pack: Callable[[list[int], int], list[list[int]]] = pack_rows) -> list[float]:
     """Train on demonstrations for `steps` steps; returns the loss per step. An example is a (prompt,
     completion) pair or a revision demo (prompt, [(text, trainable), ...]) (see `demo_sequence`).
     A step's batch is cut into micro-batches of rows of like length (`pack_rows`, at most
     `token_budget` padded tokens each: a revision demo is several times a plain one's length, and
-    one micro-batch padded every row to the longest); the loss is the mean over the batch's
-    trained tokens, so the gradient is the one of the whole batch at once."""
+    one micro-batch padded every row to the longest; `pack(lengths, budget)` -> micro-batches of
+    row indices); the loss is the mean over the batch's trained tokens, so the gradient is the
+    one of the whole batch at once."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id
@@ -81,7 +83,7 @@ def sft(model, tokenizer, examples: Sequence[Demo], steps: int, batch_size: int,
         targets = max(1, sum(sum(mask[1:]) for _, mask in batch))   # tokens predicted (the first is never)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
-        for micro in pack_rows([len(ids) for ids, _ in batch], token_budget):
+        for micro in pack([len(ids) for ids, _ in batch], token_budget):
             ids, attn, labels = sft_batch([batch[i] for i in micro], pad)
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]                # [B, T-1, V]
             part = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels[:, 1:].flatten(),

@@ -82,16 +82,19 @@ def test_sft_loss_is_the_cross_entropy_of_the_trainable_tokens_only():
 
 
 def test_micro_batches_give_the_whole_batch_step():
-    """A batch of plain and revision demos (lengths ~2x apart), trained in micro-batches of like length
-    or as one padded batch: the same losses and the same weights, to float rounding."""
+    """A batch of plain and revision demos (lengths ~2x apart), trained as one padded batch, in
+    micro-batches of like length (the default), or a row at a time: the same losses and weights, to
+    float rounding."""
     tok = tiny.tokenizer()
     demos = [(PROMPT, FIX), (PROMPT, WRONG), (PROMPT, [(WRONG, False), (OBSERVATION, False), (FIX, True)])]
-    models = {budget: tiny.model() for budget in (10_000, 1)}          # one batch; a micro-batch per row
-    losses = {budget: sft(m, tok, demos, steps=3, batch_size=6, lr=1e-2, token_budget=budget)
-              for budget, m in models.items()}
-    assert losses[10_000] == pytest.approx(losses[1], rel=1e-5)
-    for a, b in zip(models[10_000].parameters(), models[1].parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    packings = {"one_batch": dict(pack=lambda lengths, budget: [list(range(len(lengths)))]),
+                "like_length": {}, "row_by_row": dict(token_budget=1)}
+    models = {name: tiny.model() for name in packings}
+    losses = {name: sft(models[name], tok, demos, steps=3, batch_size=6, lr=1e-2, **kw) for name, kw in packings.items()}
+    for name in ("like_length", "row_by_row"):
+        assert losses[name] == pytest.approx(losses["one_batch"], rel=1e-5)
+        for a, b in zip(models["one_batch"].parameters(), models[name].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_warm_start_mixes_revision_demos_in(tmp_path):
