@@ -322,7 +322,8 @@ class TrainConfig(Frozen):
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Cosine: floor of the LR as a fraction of lr.")
     minibatch_prompts: int = Field(8, ge=1, le=65536, description="Prompts (groups) per optimizer step.")
     updates_per_batch: int = Field(2, ge=1, le=64, description="Passes over each minibatch (PPO epochs).")
-    token_budget: int = Field(8192, ge=64, le=10_000_000, description="Micro-batch size in tokens (dynamic batching).")
+    token_budget: int = Field(8192, ge=64, le=10_000_000, description="Largest micro-batch in padded tokens (dynamic batching: "
+                              "rows of like length are cut into micro-batches for the least padding under it).")
     max_grad_norm: float = Field(1.0, gt=0, le=1000, description="Gradient clipping norm.")
     zero_stage: int = Field(2, ge=0, le=3, description="DeepSpeed ZeRO stage (3: only for `python -m ratchet.train.launch`; "
                             "a run samples in-process from the trainer's module, which ZeRO-3 partitions).")
