@@ -28,6 +28,25 @@ def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
                            agent=cfg.agent)
 
 
+def set_aside_evaluations(store, run_id: str, resumed_at: int) -> list[str]:
+    """A run resumed from its checkpoint of version `resumed_at` trains every later version again,
+    and those weights need not be the crashed attempt's (async sampling, GPU kernels): its kept
+    evaluations of versions past `resumed_at` would describe weights that no longer exist. Each is
+    moved (json and parquet) to runs/<id>/eval/superseded/<version>-<n>.<ext> (kept, not lost), so
+    `evaluate` runs again. Returns the keys moved."""
+    moved = []
+    for key in store.list(f"runs/{run_id}/eval/"):
+        name = key.rsplit("/", 1)[-1]
+        stem, _, ext = name.partition(".")
+        if "/superseded/" in key or not stem.isdigit() or int(stem) <= resumed_at:
+            continue
+        n = sum(1 for k in store.list(f"runs/{run_id}/eval/superseded/{stem}-") if k.endswith(f".{ext}"))
+        store.put_bytes(f"runs/{run_id}/eval/superseded/{stem}-{n}.{ext}", store.get_bytes(key))
+        store.delete(key)
+        moved.append(key)
+    return moved
+
+
 def protocol(cfg: NightlyConfig) -> dict:
     """What an evaluation's figures depend on besides the weights and the tasks: two records are
     compared (promotion, the vertical table) only under one protocol."""

@@ -16,6 +16,7 @@ from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
 from ratchet.train.checkpoint import load_latest, save_checkpoint
 from ratchet.scratch import scratch_dir
+from tasks.evaluate import set_aside_evaluations
 from tasks.retry import transient_only
 
 
@@ -31,6 +32,10 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
             ref, _ = found
             logger.info("resuming run %s from %s", run_id, ref.uri)
             session = sessions.restore(sessions.PolicyRef(run_id=run_id, version=-1, checkpoint=ref), cfg)
+            moved = set_aside_evaluations(store, run_id, session.version)   # later versions are trained again
+            if moved:
+                logger.info("evaluations of versions past v%d set aside (runs/%s/eval/superseded/): %s",
+                            session.version, run_id, ", ".join(k.rsplit("/", 1)[-1] for k in moved))
             return session.ref(ref, session.version)
         if cfg.model.path:
             from ratchet.model import load_policy, save_policy

@@ -99,3 +99,24 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
     with pytest.raises(ValueError, match=r"^run r: policy v0 was evaluated with samples 1; this attempt has "
                                          r"samples 4: resume with the run's own settings"):
         evaluate.fn(base, [], other)
+
+
+def test_a_resumed_run_sets_aside_the_evaluations_of_versions_it_trains_again(tmp_path):
+    """Resumed from its checkpoint of v3, a run trains v4.. again (async or GPU: other weights):
+    its kept evaluations of v6 move to eval/superseded/ (nothing lost), so `evaluate` runs again;
+    v0 and v3, and the incumbent's record, stay."""
+    from tasks.evaluate import set_aside_evaluations
+
+    store = open_store(StoreConfig(uri=str(tmp_path)))
+    for name in ("000000.json", "000000.parquet", "000003.json", "000006.json", "000006.parquet", "incumbent.json"):
+        store.put_json(f"runs/r/eval/{name}", {"name": name})
+    moved = set_aside_evaluations(store, "r", 3)
+    assert sorted(k.rsplit("/", 1)[-1] for k in moved) == ["000006.json", "000006.parquet"]
+    assert sorted(store.list("runs/r/eval/")) == sorted(
+        [f"runs/r/eval/{n}" for n in ("000000.json", "000000.parquet", "000003.json", "incumbent.json")]
+        + ["runs/r/eval/superseded/000006-0.json", "runs/r/eval/superseded/000006-0.parquet"])
+    assert store.get_json("runs/r/eval/superseded/000006-0.json") == {"name": "000006.json"}
+    store.put_json("runs/r/eval/000006.json", {"again": True})           # a second crash after v6
+    set_aside_evaluations(store, "r", 3)
+    assert store.get_json("runs/r/eval/superseded/000006-1.json") == {"again": True}
+    assert set_aside_evaluations(store, "r", 6) == []
