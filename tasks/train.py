@@ -71,6 +71,11 @@ def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tu
     from the checkpoint of `policy.version` if there is one, else stops with `StaleSession` and the
     run resumes from LATEST, redoing those waves identically (never a wave's steps applied twice)."""
     session = sessions.open_session(policy, cfg)
+    if cfg.rollout.mode == "async":
+        # this version published before its weights change in place: a wave that starts sampling
+        # during the epoch reads that copy. A retry's session (restored after a failed attempt)
+        # has none until now, and a rollout would have copied the weights it was training.
+        sessions.behaviour(session, cfg)
     store = open_store(cfg.store)
     frame = store.read_table(wave)
     staleness = check_staleness(int(frame["policy_version"].min()), policy.version, cfg.rollout, int(frame["step"][0]))

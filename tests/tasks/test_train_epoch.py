@@ -113,6 +113,40 @@ def test_a_failed_epoch_is_retried_from_the_last_good_state(tmp_path, monkeypatc
     sessions.discard("r")
 
 
+def test_async_a_wave_sampled_during_a_retried_epoch_reads_the_clean_version(tmp_path, monkeypatch):
+    """Async: an epoch fails after a step and is dropped; its retry restores version 0 and trains it
+    in place. A wave of version 0 that starts sampling while the retry trains must sample version 0's
+    weights (the checkpoint's), not weights the retry has already stepped: the retry's session had
+    no behaviour engine, and the rollout opened one on the live, training model."""
+    from ratchet.errors import TransientError
+    from ratchet.train import session as sessions
+    from ratchet.train.torch_trainer import TorchTrainer
+
+    cfg, policy, wave, _ = _setup(tmp_path, RLConfig())
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"mode": "async", "max_staleness": 2})})
+    start = {k: v.clone() for k, v in tiny.model().state_dict().items()}            # version 0: the checkpoint's
+    real, calls, sampled = TorchTrainer._optimizer_step, [], {}
+
+    def flaky(self, lr):
+        calls.append(lr)
+        out = real(self, lr)
+        if len(calls) == 1:
+            raise TransientError("store blinked mid-epoch")
+        if len(calls) == 2:                        # the retry has taken a step: a rollout of v0 starts now
+            session = sessions.sampling_session(policy, cfg)
+            with sessions.behaviour(session, cfg).at(0) as engine:
+                sampled.update({k: v.clone() for k, v in engine.model.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(TorchTrainer, "_optimizer_step", flaky)
+    with pytest.raises(TransientError):
+        train_epoch.fn(policy, wave, cfg)
+    retried, _ = train_epoch.fn(policy, wave, cfg)
+    assert retried.version == 1 and len(calls) >= 2 and sampled
+    assert all(torch.equal(sampled[k], start[k]) for k in start)
+    sessions.discard("r")
+
+
 def test_a_failed_epoch_past_the_checkpoint_stops_instead_of_reusing_weights(tmp_path, monkeypatch):
     from ratchet.errors import TransientError
     from ratchet.train import session as sessions
