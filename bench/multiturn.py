@@ -1,13 +1,13 @@
 """Benchmark: does training on multi-turn episodes teach the embedded model to use the sandbox's feedback?
 
-    python -m bench.multiturn                       # ~50 min on 2 CPU cores (two seeds ~55); the LAST line is one JSON object
+    python -m bench.multiturn                       # ~35 min on 2 CPU cores (two seeds ~45); the LAST line is one JSON object
     python -m bench.multiturn --seeds 0 1 2 --budget 200000 --prompts 32 --turns 3
     python -m bench.multiturn --credit trajectory   # the K-turn run credits every answer with the episode's reward
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
     python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
     python -m bench.multiturn --repeat-reward 0     # a revision that repeats the failed answer before it scores 0
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
-    python -m bench.multiturn --seeds 0 1 2 3       # the README's table: ~95 min
+    python -m bench.multiturn --seeds 0 1 2 3       # ~85 min (96 before micro-batches were cut for the least padding)
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -24,7 +24,7 @@
    each for waves until it has sampled the budget (the K-turn run's episodes
    sample more per prompt, so it sees fewer prompts).
    Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
-   take about 3.5x as long), so that the cores stay busy across seeds (training is bit-identical
+   take 2-3.5x as long), so that the cores stay busy across seeds (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
    greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
