@@ -95,8 +95,10 @@ def demos(rng: random.Random, n: int):
             continue
         segments = []
         for _ in range(rng.randint(1, 2)):
-            segments += [(body(), False), (f"Tests: {rng.randint(0, 5)} of 6 passed.\n- f({rng.randint(0, 9)}): expected "
-                                           f"{rng.randint(0, 99)}, got {rng.randint(0, 99)}\nRevise your answer.\ndef f(x):\n", False)]
+            wrong = body()
+            feedback = (f"Tests: {rng.randint(0, 5)} of 6 passed.\n- f({rng.randint(0, 9)}): expected {rng.randint(0, 99)}, "
+                        f"got {rng.randint(0, 99)}\nRevise your answer.\ndef f(x):\n")
+            segments += [(wrong, False), (feedback, False)]
         out.append((prompt, segments + [(body(), True)]))
     return out
 
@@ -129,7 +131,8 @@ def main() -> None:
         for _ in range(args.repeats):
             for packing, Trainer in (("greedy", Greedy), ("least_padding", TorchTrainer)):
                 policy = copy.deepcopy(model)
-                trainer = Trainer(policy, tokenizer.pad_token_id, TrainConfig(), RLConfig(loss_agg="answer_mean_token_mean"))
+                trainer = Trainer(policy, tokenizer.pad_token_id, TrainConfig(),
+                                  RLConfig(loss_agg="answer_mean_token_mean"))
                 t0 = time.perf_counter()
                 trainer.train_wave(rows)
                 times[packing].append(time.perf_counter() - t0)

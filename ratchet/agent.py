@@ -170,8 +170,8 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     ended sooner keeps its last answer; with `agent.stop_on_pass` off, an answer that passed and was
     then revised into a failure counts as failed, so `pass_last` is what the last answer, the one
     promotion judges, scores); `pass_turn1`, `pass_last`; `fix_rate`: of the episodes that failed
-    turn 1 (`failed_turn1`), the share whose last answer passes (None when none failed); `mean_turns`, `mean_action_tokens` (sampled),
-    `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
+    turn 1 (`failed_turn1`), the share whose last answer passes (None when none failed);
+    `mean_turns`, `mean_action_tokens` (sampled), `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
     carry their `action`, the share that repeat the answer before them, leading and trailing whitespace
     aside (a repeat cannot pass a deterministic task: a revision spent); `ends`: episodes that ended
     passing, at the turn limit, or earlier (out of context). Rates are None when no episode counts."""
