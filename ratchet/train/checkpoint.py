@@ -4,6 +4,7 @@ Layout in the store (DESIGN.md):
 
     runs/<run_id>/checkpoints/<version>/model.safetensors, config.json, tokenizer*.json  (HF layout)
     runs/<run_id>/checkpoints/<version>/trainer.pt     optimizer, scheduler, RNG states, step
+                                                       (trainer-rank<r>.pt per rank from ratchet.train.launch)
     runs/<run_id>/checkpoints/<version>/ledger.json    which waves were consumed, policy version
     runs/<run_id>/checkpoints/<version>/MANIFEST.json  sha256 of every file, written last
     runs/<run_id>/checkpoints/LATEST                   pointer to the manifest, written after it
@@ -55,6 +56,15 @@ class NoUsableCheckpoint(RuntimeError):
 
 class CheckpointBehindLatest(ValueError):
     """A save would move LATEST to an older version."""
+
+
+def trainer_state_file(path: Path, rank: int = 0) -> Path | None:
+    """A loaded checkpoint directory's trainer state for `rank`: `trainer-rank<rank>.pt` (written
+    per rank by ratchet.train.launch), else `trainer.pt` (one process: the nightly), else rank 0's
+    (another world size's: its optimizer partition is not this rank's, but its KL reference and
+    value head are the run's); None when it has none."""
+    found = [p for p in (path / f"trainer-rank{rank}.pt", path / "trainer.pt", path / "trainer-rank0.pt") if p.exists()]
+    return found[0] if found else None
 
 
 def checkpoint_prefix(run_id: str, version: int) -> str:

@@ -46,6 +46,7 @@ import torch
 
 from ratchet.config import NightlyConfig
 from ratchet.store import open_store
+from ratchet.train.checkpoint import trainer_state_file
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,10 +84,10 @@ def _trainer_state(path: Path, rank: int, world: int) -> tuple[dict | None, str]
     """The checkpoint's trainer state for this rank (`trainer-rank<r>.pt`, else `trainer.pt`, else
     rank 0's) and "restored" when its optimizer state is this rank's, else "fresh: <why>": the
     KL reference and value head in it are then restored all the same. (None, "fresh: ...") if none."""
-    found = [p for p in (path / f"trainer-rank{rank}.pt", path / "trainer.pt", path / "trainer-rank0.pt") if p.exists()]
-    if not found:
+    found = trainer_state_file(path, rank)
+    if found is None:
         return None, "fresh: the checkpoint has no trainer state"
-    state = torch.load(found[0], weights_only=False)
+    state = torch.load(found, weights_only=False)
     if state.get("backend") != "deepspeed":
         return state, f"fresh: the checkpoint's trainer state is the {state.get('backend')!r} backend's"
     saved = state["optimizer"].get("rank"), state["optimizer"].get("world_size")

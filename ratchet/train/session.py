@@ -28,7 +28,7 @@ from ratchet.model import load_policy, run_context, save_policy, use_chat_templa
 from ratchet.rollout.behaviour import Behaviour, open_behaviour
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.store import ArtifactStore, Ref, store_for
-from ratchet.train.checkpoint import load_checkpoint, save_checkpoint
+from ratchet.train.checkpoint import load_checkpoint, save_checkpoint, trainer_state_file
 from ratchet.train.torch_trainer import TorchTrainer
 from ratchet.scratch import scratch_dir
 
@@ -100,12 +100,11 @@ def restore(policy: PolicyRef, cfg: NightlyConfig) -> PolicySession:
     store = store_for(policy.checkpoint)
     with scratch_dir("restore") as tmp:
         path = load_checkpoint(store, policy.checkpoint, Path(tmp))
-        # ratchet.train.launch writes trainer-rank<r>.pt: rank 0's optimizer partition is not this
-        # process's, but its KL reference and value head are the run's
-        found = [p for p in (path / "trainer.pt", path / "trainer-rank0.pt") if p.exists()]
-        state = torch.load(found[0], weights_only=False) if found else None
+        found = trainer_state_file(path)   # a launch's trainer-rank0.pt: its optimizer partition is not ours
+        state = torch.load(found, weights_only=False) if found else None
         ledger = json.loads((path / "ledger.json").read_text()) if (path / "ledger.json").exists() else None
-        session = _build(policy.run_id, path, cfg, state, ledger, optimizer=(path / "trainer.pt").exists())
+        session = _build(policy.run_id, path, cfg, state, ledger,
+                         optimizer=found is not None and found.name == "trainer.pt")
     with _LOCK:
         _SESSIONS[policy.run_id] = session
     return session
