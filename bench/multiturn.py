@@ -6,6 +6,7 @@
     python -m bench.multiturn --sft-steps 130       # make run's shorter warm start (model.sft_steps; default 400)
     python -m bench.multiturn --loss-agg seq_mean_token_mean      # the K-turn run's loss: each episode one sequence (before 2026-12-05)
     python -m bench.multiturn --repeat-reward 0     # a revision that repeats the failed answer before it scores 0
+    python -m bench.multiturn --overlong-buffer 12  # an answer within 12 tokens of the 48-token cap loses up to 1 (DAPO)
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
     python -m bench.multiturn --seeds 0 1 2 3       # ~85 min (96 before micro-batches were cut for the least padding)
 
@@ -69,7 +70,7 @@ def note(what: str, since: float) -> None:
 
 def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str | None = None):
     from ratchet.config import (AgentConfig, EnvsConfig, EvalConfig, GateConfig, ModelConfig, MonitorConfig,
-                                NightlyConfig, RLConfig, RolloutConfig, StoreConfig, TrainConfig)
+                                NightlyConfig, RewardConfig, RLConfig, RolloutConfig, StoreConfig, TrainConfig)
 
     return NightlyConfig(
         run_id=run_id, steps=10_000, checkpoint_every=10_000, store=StoreConfig(uri=store),
@@ -80,6 +81,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
                           credit=args.credit, repeat_reward=args.repeat_reward),
         train=TrainConfig(seed=seed),
         rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
+        reward=RewardConfig(overlong_buffer=args.overlong_buffer),   # both runs alike
         gate=GateConfig(max_zero_variance_frac=1.0),
         monitor=MonitorConfig(max_zero_variance_frac=None),
         eval=EvalConfig(n_tasks=args.eval_tasks, min_gain=1.0),
@@ -197,6 +199,8 @@ def main() -> None:
                         "run's answers are its sequences: the two are the same loss for it, bit for bit)")
     p.add_argument("--repeat-reward", type=float, default=None,
                    help="agent.repeat_reward: the reward of a revision that repeats the failed answer before it (default: its own)")
+    p.add_argument("--overlong-buffer", type=int, default=0,
+                   help="reward.overlong_buffer of both runs: DAPO's soft overlong punishment, in tokens (0: off)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
     p.add_argument("--warm-seed", type=int, default=0,
@@ -254,7 +258,7 @@ def main() -> None:
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

@@ -375,6 +375,11 @@ class RewardConfig(Frozen):
         0.0, ge=-10, le=10, description="Reward of a run that raised a security flag (empty: flags do not change the reward)."
     )
     format_weight: float = Field(0.0, ge=0, le=1, description="Weight of format compliance mixed into the reward.")
+    overlong_buffer: int = Field(
+        0, ge=0, le=8192, description="DAPO's soft overlong punishment (tokens; 0: off): an answer that reaches into the last "
+        "this many tokens before rollout.max_new_tokens loses overlong_penalty times the fraction of the buffer it "
+        "reaches, all of it at the cap, so that answers that run to the cap stop paying. Per answer of an episode.")
+    overlong_penalty: float = Field(1.0, ge=0, le=10, description="The most an answer loses to overlong_buffer (at the cap).")
 
 
 class GateConfig(Frozen):
@@ -493,6 +498,13 @@ class NightlyConfig(Frozen):
         if self.agent.turns > 1 and self.rollout.engine != "torch":
             raise ValueError(f"agent.turns {self.agent.turns}: multi-turn episodes run on the torch engine (they extend "
                              f"each episode's KV cache in place); rollout.engine is {self.rollout.engine!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _overlong_buffer_within_the_cap(self):
+        if self.reward.overlong_buffer > self.rollout.max_new_tokens:
+            raise ValueError(f"reward.overlong_buffer {self.reward.overlong_buffer} is longer than an answer can be "
+                             f"(rollout.max_new_tokens {self.rollout.max_new_tokens})")
         return self
 
     @model_validator(mode="after")

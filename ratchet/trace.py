@@ -52,10 +52,11 @@ def wave_prefix(run_id: str, step: int) -> str:
 
 
 def scoring_record(train: list[Ref], cfg: NightlyConfig) -> dict:
-    """What a wave is scored with, for a later replay: the task snapshots and the two configs."""
+    """What a wave is scored with, for a later replay: the task snapshots, the configs and the length
+    cap its answers were sampled under."""
     return {"train": [r.model_dump(mode="json") for r in train],
             "verify": cfg.verify.model_dump(mode="json"), "reward": cfg.reward.model_dump(mode="json"),
-            "agent": cfg.agent.model_dump(mode="json")}
+            "agent": cfg.agent.model_dump(mode="json"), "max_new_tokens": cfg.rollout.max_new_tokens}
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -233,9 +234,10 @@ class Replay:
 
 
 def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref], VerifyConfig, RewardConfig,
-                                                                       AgentConfig]:
-    """The task snapshots and configs wave `step` was scored with (its scoring.json; a record written
-    before the agent's shaping was kept gets AgentConfig's defaults: no shaping)."""
+                                                                       AgentConfig, int | None]:
+    """The task snapshots, configs and length cap wave `step` was scored with (its scoring.json; a
+    record written before the agent's shaping was kept gets AgentConfig's defaults: no shaping; one
+    written before the cap was kept, None: its reward config has no overlong penalty)."""
     key = f"{wave_prefix(run_id, step)}/{SCORING}"
     if not store.exists(key):
         raise TraceError(f"wave {step} of run {run_id!r} has no scoring record ({key}): it was scored before "
@@ -243,7 +245,8 @@ def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref
     record = store.get_json(key)
     try:
         return ([Ref.model_validate(r) for r in record["train"]], VerifyConfig.model_validate(record["verify"]),
-                RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})))
+                RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})),
+                record.get("max_new_tokens"))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"unreadable scoring record {key}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
 
@@ -278,13 +281,14 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
            tolerance: float = 1e-9) -> Replay:
     """Verify and score again every stored sample of `task_id` in wave `step`, with the wave's own
     spec (or `spec`, to try a changed one), VerifyConfig and RewardConfig; compare with what is stored."""
-    from ratchet.reward.frame import episode_reward, row_reward   # late: the judge and its sandbox load only to replay
+    from ratchet.reward.frame import episode_reward, last_answer_tokens, less_overlong, row_reward   # late: the judge and
+    # its sandbox load only to replay
     from ratchet.verify import verify_many
 
     wave = load_wave(store, run_id, step, task_id)
     if wave.table == "trajectories.parquet":
         raise TraceError(f"wave {step} of run {run_id!r} is not scored yet: nothing to reproduce")
-    refs, verify, reward, agent = load_scoring(store, run_id, step)
+    refs, verify, reward, agent, cap = load_scoring(store, run_id, step)
     notes: list[str] = []
     if spec is None:
         spec, notes = find_spec(refs, task_id)
@@ -297,6 +301,7 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
     for row, res in zip(rows, results):
         again = row_reward({"completion": row["completion"], "metrics": res.metrics or None,
                             "env_error": res.env_error}, spec.reward_logic, reward)
+        again = less_overlong(again, last_answer_tokens(row), cap, reward)   # the stored answer's length
         if row.get("turns"):          # a multi-turn episode: its final answer replayed, the shaping on its stored turns
             again = episode_reward(again, row["turns"], agent.turn_penalty, agent.repeat_reward)
         stored_err = row["env_error_kind"] or ("env_error" if row["env_error"] else None)

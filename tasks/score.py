@@ -24,7 +24,8 @@ def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, di
     executor = executor_for(cfg.verify)       # this process, or Ray tasks over a cluster (verify.executor)
     frame = stages.verify_frame(store.read_table(wave), specs, cfg, executor)
     frame = score_frame(frame, {t: specs[t].reward_logic for t in frame["task_id"].unique()}, cfg.reward,
-                        turn_penalty=cfg.agent.turn_penalty, repeat_reward=cfg.agent.repeat_reward)
+                        turn_penalty=cfg.agent.turn_penalty, repeat_reward=cfg.agent.repeat_reward,
+                        cap=cfg.rollout.max_new_tokens)
     stats = {**stages.wave_stats(frame, cfg), **stages.sandbox_stats(frame)}   # ratchet.monitor reads the first
     stats.update(executor.stats)               # sandbox runs launched / reaped / orphaned, nodes used
     return store.write_table(wave.sibling("scored.parquet"), frame), stats

@@ -119,3 +119,10 @@ def test_kl_k1_is_refused_in_the_loss_only():
     assert RLConfig(kl_estimator="k1").kl_coef == 0.0  # no KL term at all: nothing to refuse
     assert RLConfig().kl == "k2" and RLConfig(kl_in_reward=True).kl == "k3"   # unset: the loss's and the reward's
     assert RLConfig(kl_estimator="k3").kl == "k3"
+
+
+def test_an_overlong_buffer_past_the_length_cap_is_refused():
+    with pytest.raises(ValidationError, match="reward.overlong_buffer 64 is longer than an answer can be "
+                                              r"\(rollout.max_new_tokens 48\)"):
+        NightlyConfig(reward={"overlong_buffer": 64})
+    assert NightlyConfig(reward={"overlong_buffer": 48}).reward.overlong_buffer == 48

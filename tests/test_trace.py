@@ -43,13 +43,14 @@ def production():
     return produce("python_functions", EnvsConfig(n_train=8, n_heldout=2))
 
 
-def make_wave(store_uri: str, production) -> tuple[NightlyConfig, list]:
-    """Wave STEP of run RUN in the store at `store_uri`: two tasks x GROUP samples, scored by the
-    score_wave task, with trained.parquet (RLOO advantages) beside it. Returns the config and the tasks."""
+def make_wave(store_uri: str, production, **cfg) -> tuple[NightlyConfig, list]:
+    """Wave STEP of run RUN in the store at `store_uri`: two tasks x GROUP samples (two sampled tokens
+    each), scored by the score_wave task, with trained.parquet (RLOO advantages) beside it; `cfg`:
+    NightlyConfig fields over the test's. Returns the config and the tasks."""
     from tasks.score import score_wave
 
-    cfg = NightlyConfig(store=StoreConfig(uri=store_uri), rollout=RolloutConfig(prompts_per_wave=2, group_size=GROUP),
-                        verify=VerifyConfig(timeout_s=60, feedback_bytes=1024))   # no timeouts on a busy machine
+    cfg = NightlyConfig(**{"store": StoreConfig(uri=store_uri), "rollout": RolloutConfig(prompts_per_wave=2, group_size=GROUP),
+                           "verify": VerifyConfig(timeout_s=60, feedback_bytes=1024), **cfg})   # no timeouts on a busy machine
     store = open_store(store_uri)
     train = save_production(store, production)["train"]
     a, b = production.train[:2]
@@ -150,6 +151,19 @@ def test_replay_reproduces_the_stored_rewards(wave):
         assert report.reproduced and report.notes == [] and len(report.samples) == GROUP
         assert [s.replayed_reward for s in report.samples] == [s.stored_reward for s in report.samples]
     assert render_replay(report).endswith("reproduced: 4/4 samples give the stored reward")
+
+
+def test_replay_applies_the_overlong_penalty_it_was_scored_with(tmp_path, production):
+    """A wave scored with reward.overlong_buffer: every answer ran to its cap (2 of max_new_tokens 2), so
+    each lost all of overlong_penalty; the replay reads the cap from the scoring record and agrees."""
+    store_uri = str(tmp_path / "store")
+    make_wave(store_uri, production, rollout=RolloutConfig(prompts_per_wave=2, group_size=GROUP, max_new_tokens=2),
+              reward={"overlong_buffer": 1, "overlong_penalty": 0.25})
+    store = open_store(store_uri)
+    scored = store.read_table(f"runs/{RUN}/waves/{STEP:06d}/scored.parquet")
+    assert scored["reward"].to_list() == [0.75, -0.25, -0.25, 0.75, 0.75, -0.25, -0.25, -0.25]
+    report = replay(store, RUN, STEP, production.train[0].task_id)
+    assert report.reproduced, render_replay(report)
 
 
 def test_replay_catches_a_changed_hidden_test(wave):

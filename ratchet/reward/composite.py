@@ -16,6 +16,8 @@ The scalar, in order (every step is one small function below):
               (security_penalty None: flags do not change the reward).
 
 So every reward lies in [min(0, timeout_reward, security_penalty), max(1, timeout_reward)].
+A wave's scoring (`ratchet.reward.frame`) may then subtract `overlong_penalty` (at most
+cfg.overlong_penalty, for an answer that ran to the length cap), and the bounds say so.
 """
 
 from __future__ import annotations
@@ -84,9 +86,22 @@ def score(metrics: dict | None, logic: RewardLogic, cfg: RewardConfig) -> float 
     return float(r)
 
 
+def overlong_penalty(tokens: int, cap: int, cfg: RewardConfig) -> float:
+    """DAPO's soft overlong punishment (arXiv:2503.14476, section 3.4), as a positive amount to subtract:
+    0 for an answer of `tokens` sampled tokens (EOS included) that ends before the last
+    `cfg.overlong_buffer` tokens under `cap` (rollout.max_new_tokens), rising linearly to
+    `cfg.overlong_penalty` at the cap; 0 with the buffer 0 (off)."""
+    if cfg.overlong_buffer == 0:
+        return 0.0
+    into = min(max(tokens - (cap - cfg.overlong_buffer), 0), cfg.overlong_buffer)
+    return cfg.overlong_penalty * into / cfg.overlong_buffer
+
+
 def reward_bounds(logic: RewardLogic, cfg: RewardConfig) -> tuple[float, float]:
-    """(lo, hi) every score() of this logic lies in: composite and format mix are in [0, 1];
-    a timeout replaces it by timeout_reward; a security flag can only lower it, to security_penalty."""
+    """(lo, hi) every reward of this logic lies in: composite and format mix are in [0, 1];
+    a timeout replaces it by timeout_reward; a security flag can only lower it, to security_penalty;
+    the overlong penalty (when on) can take up to overlong_penalty off any of them."""
     validate_logic(logic)
     lows = [0.0, cfg.timeout_reward] + ([cfg.security_penalty] if cfg.security_penalty is not None else [])
-    return float(min(lows)), float(max(1.0, cfg.timeout_reward))
+    overlong = cfg.overlong_penalty if cfg.overlong_buffer else 0.0
+    return float(min(lows)) - overlong, float(max(1.0, cfg.timeout_reward))

@@ -2,7 +2,7 @@
 
     scored = score_frame(wave, {s.task_id: s.reward_logic for s in specs}, cfg.reward)
     scored = score_frame(wave, logic, cfg.reward, turn_penalty=cfg.agent.turn_penalty,   # multi-turn episodes
-                         repeat_reward=cfg.agent.repeat_reward)
+                         repeat_reward=cfg.agent.repeat_reward, cap=cfg.rollout.max_new_tokens)
 
 A multi-turn episode's reward is its final state's: the last answer's metrics, as a single-turn
 row's (`turn_penalty` > 0 subtracts that much per turn after the first: solving sooner is worth
@@ -10,6 +10,10 @@ more). Each turn in `turns` gets the reward its own answer would have had, for r
 and for per-turn credit (`turn_states`: the value of the episode's state after each turn);
 with `repeat_reward` set, a revision that repeats the failed answer before it gets that reward
 instead (`envs.episode.repeats`), and so does the episode when its last answer is one.
+
+Length: with `cfg.overlong_buffer` on, every answer's reward (a single-turn row's, each turn's,
+and so the episode's, its last answer's) loses `composite.overlong_penalty` of its sampled
+tokens against `cap` (rollout.max_new_tokens): an answer that runs to the cap stops paying.
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -22,7 +26,7 @@ import polars as pl
 from envs.episode import repeats
 from envs.spec import RewardLogic, validate_logic
 from ratchet.config import RewardConfig
-from ratchet.reward.composite import score
+from ratchet.reward.composite import overlong_penalty, score
 
 
 def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None:
@@ -36,9 +40,13 @@ def row_reward(row: dict, logic: RewardLogic, cfg: RewardConfig) -> float | None
 
 
 def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg: RewardConfig,
-                turn_penalty: float = 0.0, repeat_reward: float | None = None) -> pl.DataFrame:
+                turn_penalty: float = 0.0, repeat_reward: float | None = None, cap: int | None = None) -> pl.DataFrame:
     """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns
-    unchanged); rows of multi-turn episodes also get each turn's reward in `turns`."""
+    unchanged); rows of multi-turn episodes also get each turn's reward in `turns`. `cap`: the
+    length cap the answers were sampled under, needed when cfg.overlong_buffer is on."""
+    if cfg.overlong_buffer and cap is None:
+        raise ValueError(f"score_frame: reward.overlong_buffer {cfg.overlong_buffer} needs the length cap the answers "
+                         "were sampled under (cap=rollout.max_new_tokens)")
     missing = sorted(set(frame["task_id"].unique().to_list()) - set(logic_by_task))
     if missing:
         raise KeyError(f"score_frame: no reward_logic for task(s) {missing[:10]}"
@@ -48,22 +56,37 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
             validate_logic(logic_by_task[task_id])
         except ValueError as e:
             raise ValueError(f"task {task_id!r}: {e}") from e
-    rows = frame.select("task_id", "completion", "metrics", "env_error", "turns").to_dicts()
-    rewards = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
+    rows = frame.select("task_id", "completion", "completion_tokens", "metrics", "env_error", "turns").to_dicts()
+    rewards = [less_overlong(row_reward(r, logic_by_task[r["task_id"]], cfg), last_answer_tokens(r), cap, cfg)
+               for r in rows]
     episodic = [r for r in rows if r["turns"] and r["turns"][0]["metrics"] is not None]
     if not episodic:
         return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
     turns = []
     for i, r in enumerate(rows):
         for k, t in enumerate(r["turns"] or []):
-            t["reward"] = _unless_repeated(
-                row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
-                           logic_by_task[r["task_id"]], cfg), r["turns"], k, repeat_reward)
+            own = row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
+                             logic_by_task[r["task_id"]], cfg)
+            t["reward"] = _unless_repeated(less_overlong(own, t["action_tokens"], cap, cfg), r["turns"], k, repeat_reward)
         if r["turns"]:
             rewards[i] = episode_reward(rewards[i], r["turns"], turn_penalty, repeat_reward)
         turns.append(r["turns"])
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
                               pl.Series("turns", turns, dtype=frame.schema["turns"]))
+
+
+def last_answer_tokens(row: dict) -> int:
+    """The sampled tokens of a trajectory row's last answer: its last turn's `action_tokens`, or, for a
+    row without turns, its `completion_tokens` (the one answer)."""
+    return row["turns"][-1]["action_tokens"] if row.get("turns") else row["completion_tokens"]
+
+
+def less_overlong(reward: float | None, tokens: int, cap: int | None, cfg: RewardConfig) -> float | None:
+    """`reward` less the overlong penalty of an answer of `tokens` sampled tokens (module docstring);
+    None (env_error) stays None, and so does everything with the buffer off or no cap."""
+    if reward is None or cap is None:
+        return reward
+    return reward - overlong_penalty(tokens, cap, cfg)
 
 
 def episode_reward(final: float | None, turns: list[dict], turn_penalty: float = 0.0,

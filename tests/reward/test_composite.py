@@ -7,6 +7,7 @@ import pytest
 from envs.spec import RewardLogic, RewardRule
 from ratchet.config import RewardConfig
 from ratchet.reward import RewardLogicError, reward_bounds, score, validate_logic
+from ratchet.reward.composite import overlong_penalty
 from ratchet.reward.metrics import metric_score
 
 SPEC_EXAMPLE = RewardLogic(rules=(
@@ -132,6 +133,8 @@ def test_env_error_metrics_score_none():
     (RewardConfig(security_penalty=-2.0), (-2.0, 1.0)),
     (RewardConfig(security_penalty=None, timeout_reward=0.0), (0.0, 1.0)),
     (RewardConfig(timeout_reward=1.5), (0.0, 1.5)),
+    (RewardConfig(overlong_buffer=12, overlong_penalty=0.5), (-1.0, 1.0)),   # a timeout at the cap: -0.5 - 0.5
+    (RewardConfig(overlong_buffer=0, overlong_penalty=0.5), (-0.5, 1.0)),    # off: no penalty
 ])
 def test_reward_bounds(cfg, bounds):
     assert reward_bounds(SPEC_EXAMPLE, cfg) == bounds
@@ -168,3 +171,11 @@ def test_unknown_aggregation_is_a_clear_error():
         validate_logic(RewardLogic.model_construct(type="composite", rules=(bad,)))
     with pytest.raises(ValueError):
         RewardRule(metric="test_pass_rate", weight=1.0, aggregation="median")
+
+
+@pytest.mark.parametrize("tokens, penalty", [(1, 0.0), (36, 0.0), (37, 1 / 12), (42, 0.5), (48, 1.0), (60, 1.0)])
+def test_overlong_penalty_rises_linearly_through_the_buffer_to_the_cap(tokens, penalty):
+    cfg = RewardConfig(overlong_buffer=12)
+    assert overlong_penalty(tokens, 48, cfg) == pytest.approx(penalty)
+    assert overlong_penalty(tokens, 48, RewardConfig(overlong_buffer=12, overlong_penalty=0.3)) == pytest.approx(0.3 * penalty)
+    assert overlong_penalty(tokens, 48, RewardConfig()) == 0.0          # the default: off

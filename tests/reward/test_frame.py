@@ -80,6 +80,25 @@ def test_repeat_reward_replaces_the_partial_credit_of_a_repeated_failure():
     assert turn_rewards(empty) == [[0.0, 0.0]] and empty["reward"].to_list() == [0.0]
 
 
+def test_overlong_penalty_takes_from_each_answer_by_its_own_length():
+    logic = {"t1": RewardLogic()}                               # reward = test_pass_rate
+    cfg = RewardConfig(overlong_buffer=12)                      # cap 48: the penalty runs from 36 to 48 tokens
+    single = trajectories_frame([{**row(0, m=metrics(1.0)), "completion_tokens": 48},   # at the cap: all of it
+                                 {**row(1, m=metrics(1.0)), "completion_tokens": 42},   # half way: half
+                                 {**row(2, m=metrics(0.5)), "completion_tokens": 20},   # short: none
+                                 {**row(3, m=None, env_error=True), "completion_tokens": 48}])  # excluded stays null
+    assert score_frame(single, logic, cfg, cap=48)["reward"].to_list() == pytest.approx([0.0, 0.5, 0.5, None])
+    assert score_frame(single, logic, CFG)["reward"].to_list() == [1.0, 1.0, 0.5, None]   # off: as before
+    # an episode: each turn by its own answer's tokens, the episode by its last answer (not its whole row)
+    ep = episode(0, ["    return x\n", "    return -x\n"], [0.5, 1.0])
+    ep["turns"][0]["action_tokens"], ep["turns"][1]["action_tokens"], ep["completion_tokens"] = 48, 39, 48 + 30 + 39
+    out = score_frame(trajectories_frame([ep]), logic, cfg, cap=48)
+    assert [t["reward"] for t in out["turns"].to_list()[0]] == pytest.approx([0.5 - 1.0, 1.0 - 0.25])
+    assert out["reward"].to_list() == pytest.approx([0.75])
+    with pytest.raises(ValueError, match="overlong_buffer 12 needs the length cap"):
+        score_frame(single, logic, cfg)
+
+
 def test_score_frame_empty_completion_never_scores_above_zero():
     # metrics that would score 1.0 (e.g. the tests pass on the starting snapshot), but the completion is empty
     frame = trajectories_frame([row(0, completion="  \n", m=metrics(1.0)), row(1, completion="", m=metrics(1.0))])
