@@ -378,7 +378,8 @@ class RewardConfig(Frozen):
     overlong_buffer: int = Field(
         0, ge=0, le=8192, description="DAPO's soft overlong punishment (tokens; 0: off): an answer that reaches into the last "
         "this many tokens before rollout.max_new_tokens loses overlong_penalty times the fraction of the buffer it "
-        "reaches, all of it at the cap, so that answers that run to the cap stop paying. Per answer of an episode.")
+        "reaches, all of it at the cap, so that answers that run to the cap stop paying. Every answer of an episode by "
+        "its own length; with agent.credit 'trajectory' only the episode's reward (its last answer's) trains.")
     overlong_penalty: float = Field(1.0, ge=0, le=10, description="The most an answer loses to overlong_buffer (at the cap).")
 
 

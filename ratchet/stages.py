@@ -10,9 +10,10 @@ from __future__ import annotations
 import polars as pl
 
 from envs.sources import curriculum_for
-from envs.spec import TaskSpec
+from envs.spec import RewardLogic, TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
+from ratchet.reward.composite import reward_bounds
 from ratchet.reward.frame import turn_states
 from ratchet.rl import answer_count
 from ratchet.rollout.engine import naming_tasks
@@ -115,6 +116,18 @@ def _complete_groups(frame: pl.DataFrame, group_size: int) -> pl.Series:
     ok = frame.group_by("group_id", maintain_order=True).agg(
         good=~pl.col("env_error").any() & pl.col("reward").is_not_null().all() & (pl.len() == group_size))
     return ok.filter(pl.col("good"))["group_id"]
+
+
+def reward_range(logic: RewardLogic, cfg: NightlyConfig) -> tuple[float, float]:
+    """(low, high) every reward of a wave scored with `cfg` lies in (the wave gate's bounds): the reward
+    logic's (`reward_bounds`, the overlong penalty included), widened by the agent's shaping: a repeat's
+    `repeat_reward` (less the overlong penalty, which a long repeat pays too) and `turn_penalty` per turn
+    after the first."""
+    low, high = reward_bounds(logic, cfg.reward)
+    if cfg.agent.repeat_reward is not None:
+        overlong = cfg.reward.overlong_penalty if cfg.reward.overlong_buffer else 0.0
+        low, high = min(low, cfg.agent.repeat_reward - overlong), max(high, cfg.agent.repeat_reward)
+    return low - cfg.agent.turn_penalty * (cfg.agent.turns - 1), high
 
 
 def learning_signal(frame: pl.DataFrame, cfg: NightlyConfig) -> pl.Series:

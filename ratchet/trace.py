@@ -10,15 +10,16 @@ From the shell: `ratchet trace show RUN --step N [--task ID]`, `ratchet trace re
 
 A replay runs the stored completions again through `ratchet.verify.verify_many` against the
 same task spec, with the VerifyConfig and RewardConfig the wave was scored with, and scores
-them with `ratchet.reward.frame.row_reward`, as the score_wave task did (a multi-turn episode:
-its final answer, then the agent's shaping over its stored turns, `episode_reward`). Where the stored
+them with `ratchet.reward.frame.row_reward` and `final_reward`, as the score_wave task did (a
+multi-turn episode: its final answer, then the agent's shaping over its stored turns; then the
+overlong penalty of the stored answer's length, when the reward config has one). Where the stored
 reward and the replayed one differ (beyond `tolerance`), or one of them is an env_error and
 the other not, the sample is "not reproduced": a flaky task, or the environment drifted (a
 runtime, the sandbox, the spec). What the wave was scored with is recorded next to it when it
 is scored (`scoring_record`, written by tasks/score.py):
 
     runs/<run_id>/waves/<step>/scoring.json   {"train": [Ref of each task snapshot], "verify": {...}, "reward": {...},
-                                               "agent": {...}}
+                                               "agent": {...}, "max_new_tokens": 48}
 
 A snapshot that no longer matches its recorded sha256 is still read (the replay then says so
 in its notes: the spec itself drifted). A wave scored before this record existed can be
@@ -244,11 +245,15 @@ def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref
                          "replays were recorded, or not scored yet; it can be shown, not replayed")
     record = store.get_json(key)
     try:
-        return ([Ref.model_validate(r) for r in record["train"]], VerifyConfig.model_validate(record["verify"]),
-                RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})),
-                record.get("max_new_tokens"))
+        out = ([Ref.model_validate(r) for r in record["train"]], VerifyConfig.model_validate(record["verify"]),
+               RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})),
+               record.get("max_new_tokens"))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"unreadable scoring record {key}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if out[2].overlong_buffer and out[4] is None:
+        raise TraceError(f"unreadable scoring record {key}: reward.overlong_buffer {out[2].overlong_buffer} "
+                         "without the max_new_tokens its penalty is measured against")
+    return out
 
 
 def find_spec(refs: list[Ref], task_id: str) -> tuple[TaskSpec, list[str]]:
@@ -281,8 +286,7 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
            tolerance: float = 1e-9) -> Replay:
     """Verify and score again every stored sample of `task_id` in wave `step`, with the wave's own
     spec (or `spec`, to try a changed one), VerifyConfig and RewardConfig; compare with what is stored."""
-    from ratchet.reward.frame import episode_reward, last_answer_tokens, less_overlong, row_reward   # late: the judge and
-    # its sandbox load only to replay
+    from ratchet.reward.frame import final_reward, row_reward   # late: the judge and its sandbox load only to replay
     from ratchet.verify import verify_many
 
     wave = load_wave(store, run_id, step, task_id)
@@ -301,9 +305,8 @@ def replay(store: ArtifactStore, run_id: str, step: int, task_id: str, spec: Tas
     for row, res in zip(rows, results):
         again = row_reward({"completion": row["completion"], "metrics": res.metrics or None,
                             "env_error": res.env_error}, spec.reward_logic, reward)
-        again = less_overlong(again, last_answer_tokens(row), cap, reward)   # the stored answer's length
-        if row.get("turns"):          # a multi-turn episode: its final answer replayed, the shaping on its stored turns
-            again = episode_reward(again, row["turns"], agent.turn_penalty, agent.repeat_reward)
+        # a multi-turn episode: its final answer replayed, the shaping on its stored turns; the stored length
+        again = final_reward(again, row, cap, reward, agent.turn_penalty, agent.repeat_reward)
         stored_err = row["env_error_kind"] or ("env_error" if row["env_error"] else None)
         replayed_err = (res.env_error_kind or "env_error") if res.env_error else None
         samples.append(Sample(

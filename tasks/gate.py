@@ -12,7 +12,6 @@ from ratchet import monitor, stages
 from ratchet import summary as summaries
 from ratchet.config import NightlyConfig
 from ratchet.data.gates import check_wave
-from ratchet.reward import reward_bounds
 from ratchet.store import Ref, open_store
 from tasks.retry import transient_only
 
@@ -23,11 +22,7 @@ def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
     published as an artifact."""
     frame = open_store(cfg.store).read_table(wave)
     logic = load_specs(train[0])[0].reward_logic
-    low, high = reward_bounds(logic, cfg.reward)
-    if cfg.agent.repeat_reward is not None:                       # per-turn shaping can take a reward outside them
-        low, high = min(low, cfg.agent.repeat_reward), max(high, cfg.agent.repeat_reward)
-    low -= cfg.agent.turn_penalty * (cfg.agent.turns - 1)
-    report = check_wave(frame, cfg.gate, reward_bounds=(low, high), max_tokens=cfg.model.max_seq_len,
+    report = check_wave(frame, cfg.gate, reward_bounds=stages.reward_range(logic, cfg), max_tokens=cfg.model.max_seq_len,
                         source=wave.uri, signal=stages.learning_signal(frame, cfg))
     if not report.success:
         create_markdown_artifact(report.to_markdown(), key="gate-wave", description=f"gate failed: {wave.uri}")

@@ -147,3 +147,18 @@ def test_a_group_that_reaches_one_reward_at_different_turns_has_signal_under_per
         report = check_wave(frame, GateConfig(max_zero_variance_frac=0.5), signal=learning_signal(frame, cfg))
         assert report.success == (zero_variance == 1), report.failures
     assert learning_signal(frame, cfg).to_list()[:2] == [[1.0, 1.0], [0.0, 1.0]]
+
+
+def test_the_gate_bounds_widen_by_every_shaping_a_reward_can_take():
+    """reward_range: the reward logic's bounds (timeout -0.5 by default), then a repeat's reward, the
+    overlong penalty a long repeat pays too, and turn_penalty per extra turn."""
+    from envs.spec import RewardLogic
+    from ratchet.stages import reward_range
+
+    logic = RewardLogic()
+    assert reward_range(logic, NightlyConfig()) == (-0.5, 1.0)
+    agent = {"turns": 3, "turn_penalty": 0.1, "repeat_reward": -1.0}
+    assert reward_range(logic, NightlyConfig(agent=agent)) == pytest.approx((-1.2, 1.0))
+    assert reward_range(logic, NightlyConfig(agent=agent, reward={"overlong_buffer": 8, "overlong_penalty": 0.5})) \
+        == pytest.approx((-1.7, 1.0))                                    # -1.0 - 0.5 (a repeat at the cap) - 0.2
+    assert reward_range(logic, NightlyConfig(reward={"overlong_buffer": 8})) == (-1.5, 1.0)   # a timeout at the cap

@@ -12,8 +12,10 @@ with `repeat_reward` set, a revision that repeats the failed answer before it ge
 instead (`envs.episode.repeats`), and so does the episode when its last answer is one.
 
 Length: with `cfg.overlong_buffer` on, every answer's reward (a single-turn row's, each turn's,
-and so the episode's, its last answer's) loses `composite.overlong_penalty` of its sampled
-tokens against `cap` (rollout.max_new_tokens): an answer that runs to the cap stops paying.
+and the episode's, by its last answer) loses `composite.overlong_penalty` of its own sampled
+tokens against `cap` (rollout.max_new_tokens), after the shaping above (a repeat pays it too):
+an answer that runs to the cap stops paying. With `agent.credit` "trajectory" only the episode's
+reward trains, so only the last answer's length counts; with "turn" every answer's does.
 
 Reward noise: a row whose verification failed for infrastructure reasons (`env_error`) keeps
 `reward` null, never 0, so it is excluded from advantages instead of punishing the model.
@@ -44,9 +46,9 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
     """`frame` with `reward` filled from `metrics` by each row's task's reward logic (other columns
     unchanged); rows of multi-turn episodes also get each turn's reward in `turns`. `cap`: the
     length cap the answers were sampled under, needed when cfg.overlong_buffer is on."""
-    if cfg.overlong_buffer and cap is None:
+    if cfg.overlong_buffer > (cap or 0):
         raise ValueError(f"score_frame: reward.overlong_buffer {cfg.overlong_buffer} needs the length cap the answers "
-                         "were sampled under (cap=rollout.max_new_tokens)")
+                         f"were sampled under, at least as long (cap={cap}: rollout.max_new_tokens)")
     missing = sorted(set(frame["task_id"].unique().to_list()) - set(logic_by_task))
     if missing:
         raise KeyError(f"score_frame: no reward_logic for task(s) {missing[:10]}"
@@ -57,33 +59,42 @@ def score_frame(frame: pl.DataFrame, logic_by_task: dict[str, RewardLogic], cfg:
         except ValueError as e:
             raise ValueError(f"task {task_id!r}: {e}") from e
     rows = frame.select("task_id", "completion", "completion_tokens", "metrics", "env_error", "turns").to_dicts()
-    rewards = [less_overlong(row_reward(r, logic_by_task[r["task_id"]], cfg), last_answer_tokens(r), cap, cfg)
-               for r in rows]
+    plain = [row_reward(r, logic_by_task[r["task_id"]], cfg) for r in rows]
     episodic = [r for r in rows if r["turns"] and r["turns"][0]["metrics"] is not None]
     if not episodic:
+        rewards = [final_reward(p, r, cap, cfg) for p, r in zip(plain, rows)]
         return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
-    turns = []
-    for i, r in enumerate(rows):
+    rewards, turns = [], []
+    for p, r in zip(plain, rows):
         for k, t in enumerate(r["turns"] or []):
             own = row_reward({"metrics": t["metrics"], "completion": t["action"], "env_error": t["env_error"]},
                              logic_by_task[r["task_id"]], cfg)
-            t["reward"] = _unless_repeated(less_overlong(own, t["action_tokens"], cap, cfg), r["turns"], k, repeat_reward)
-        if r["turns"]:
-            rewards[i] = episode_reward(rewards[i], r["turns"], turn_penalty, repeat_reward)
+            t["reward"] = less_overlong(_unless_repeated(own, r["turns"], k, repeat_reward), t["action_tokens"], cap, cfg)
+        rewards.append(final_reward(p, r, cap, cfg, turn_penalty, repeat_reward))
         turns.append(r["turns"])
     return frame.with_columns(pl.Series("reward", rewards, dtype=pl.Float64),
                               pl.Series("turns", turns, dtype=frame.schema["turns"]))
 
 
+def final_reward(plain: float | None, row: dict, cap: int | None, cfg: RewardConfig, turn_penalty: float = 0.0,
+                 repeat_reward: float | None = None) -> float | None:
+    """A trajectory row's reward from its last answer's `row_reward` (`plain`; None stays None): the
+    agent's shaping over its `turns` (`episode_reward`), then the overlong penalty of its last answer
+    (`row`: `turns`, `completion_tokens`), after the shaping, so that a repeat does not escape it.
+    score_frame and `ratchet trace replay` both end here."""
+    shaped = episode_reward(plain, row["turns"], turn_penalty, repeat_reward) if row.get("turns") else plain
+    return less_overlong(shaped, last_answer_tokens(row), cap, cfg)
+
+
 def last_answer_tokens(row: dict) -> int:
-    """The sampled tokens of a trajectory row's last answer: its last turn's `action_tokens`, or, for a
-    row without turns, its `completion_tokens` (the one answer)."""
+    """The sampled tokens of a trajectory row's last answer: its last turn's `action_tokens` (a
+    single-turn row's one turn has its `completion_tokens`), or `completion_tokens` where `turns` is null."""
     return row["turns"][-1]["action_tokens"] if row.get("turns") else row["completion_tokens"]
 
 
 def less_overlong(reward: float | None, tokens: int, cap: int | None, cfg: RewardConfig) -> float | None:
     """`reward` less the overlong penalty of an answer of `tokens` sampled tokens (module docstring);
-    None (env_error) stays None, and so does everything with the buffer off or no cap."""
+    None (env_error) stays None; unchanged with the buffer off or no cap."""
     if reward is None or cap is None:
         return reward
     return reward - overlong_penalty(tokens, cap, cfg)

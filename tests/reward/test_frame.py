@@ -95,8 +95,14 @@ def test_overlong_penalty_takes_from_each_answer_by_its_own_length():
     out = score_frame(trajectories_frame([ep]), logic, cfg, cap=48)
     assert [t["reward"] for t in out["turns"].to_list()[0]] == pytest.approx([0.5 - 1.0, 1.0 - 0.25])
     assert out["reward"].to_list() == pytest.approx([0.75])
-    with pytest.raises(ValueError, match="overlong_buffer 12 needs the length cap"):
-        score_frame(single, logic, cfg)
+    # a revision that repeats the failed answer before it gets repeat_reward, and still pays for its length
+    rep = episode(0, ["    return x\n", "    return x \n"], [0.5, 0.5])
+    rep["turns"][0]["action_tokens"], rep["turns"][1]["action_tokens"] = 20, 48
+    out = score_frame(trajectories_frame([rep]), logic, cfg, repeat_reward=0.0, cap=48)
+    assert [t["reward"] for t in out["turns"].to_list()[0]] == [0.5, -1.0] and out["reward"].to_list() == [-1.0]
+    for cap in (None, 8):                                       # no cap, or one shorter than the buffer
+        with pytest.raises(ValueError, match=f"overlong_buffer 12 needs the length cap.*cap={cap}"):
+            score_frame(single, logic, cfg, cap=cap)
 
 
 def test_score_frame_empty_completion_never_scores_above_zero():
