@@ -13,7 +13,7 @@ from envs.sources import curriculum_for
 from envs.spec import RewardLogic, TaskSpec
 from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
-from ratchet.reward.composite import reward_bounds
+from ratchet.reward.composite import most_overlong, reward_bounds
 from ratchet.reward.frame import turn_states
 from ratchet.rl import answer_count
 from ratchet.rollout.engine import naming_tasks
@@ -125,8 +125,7 @@ def reward_range(logic: RewardLogic, cfg: NightlyConfig) -> tuple[float, float]:
     after the first."""
     low, high = reward_bounds(logic, cfg.reward)
     if cfg.agent.repeat_reward is not None:
-        overlong = cfg.reward.overlong_penalty if cfg.reward.overlong_buffer else 0.0
-        low, high = min(low, cfg.agent.repeat_reward - overlong), max(high, cfg.agent.repeat_reward)
+        low, high = min(low, cfg.agent.repeat_reward - most_overlong(cfg.reward)), max(high, cfg.agent.repeat_reward)
     return low - cfg.agent.turn_penalty * (cfg.agent.turns - 1), high
 
 

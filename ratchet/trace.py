@@ -245,15 +245,16 @@ def load_scoring(store: ArtifactStore, run_id: str, step: int) -> tuple[list[Ref
                          "replays were recorded, or not scored yet; it can be shown, not replayed")
     record = store.get_json(key)
     try:
-        out = ([Ref.model_validate(r) for r in record["train"]], VerifyConfig.model_validate(record["verify"]),
-               RewardConfig.model_validate(record["reward"]), AgentConfig.model_validate(record.get("agent", {})),
-               record.get("max_new_tokens"))
+        refs = [Ref.model_validate(r) for r in record["train"]]
+        verify, reward = VerifyConfig.model_validate(record["verify"]), RewardConfig.model_validate(record["reward"])
+        agent = AgentConfig.model_validate(record.get("agent", {}))
     except (KeyError, TypeError, ValueError) as e:
         raise TraceError(f"unreadable scoring record {key}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if out[2].overlong_buffer and out[4] is None:
-        raise TraceError(f"unreadable scoring record {key}: reward.overlong_buffer {out[2].overlong_buffer} "
+    cap = record.get("max_new_tokens")
+    if reward.overlong_buffer and cap is None:
+        raise TraceError(f"unreadable scoring record {key}: reward.overlong_buffer {reward.overlong_buffer} "
                          "without the max_new_tokens its penalty is measured against")
-    return out
+    return refs, verify, reward, agent, cap
 
 
 def find_spec(refs: list[Ref], task_id: str) -> tuple[TaskSpec, list[str]]:

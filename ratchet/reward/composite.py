@@ -97,11 +97,15 @@ def overlong_penalty(tokens: int, cap: int, cfg: RewardConfig) -> float:
     return cfg.overlong_penalty * into / cfg.overlong_buffer
 
 
+def most_overlong(cfg: RewardConfig) -> float:
+    """The most `overlong_penalty` takes off a reward (an answer at the cap); 0 with the buffer off."""
+    return cfg.overlong_penalty if cfg.overlong_buffer else 0.0
+
+
 def reward_bounds(logic: RewardLogic, cfg: RewardConfig) -> tuple[float, float]:
     """(lo, hi) every reward of this logic lies in: composite and format mix are in [0, 1];
     a timeout replaces it by timeout_reward; a security flag can only lower it, to security_penalty;
     the overlong penalty (when on) can take up to overlong_penalty off any of them."""
     validate_logic(logic)
     lows = [0.0, cfg.timeout_reward] + ([cfg.security_penalty] if cfg.security_penalty is not None else [])
-    overlong = cfg.overlong_penalty if cfg.overlong_buffer else 0.0
-    return float(min(lows)) - overlong, float(max(1.0, cfg.timeout_reward))
+    return float(min(lows)) - most_overlong(cfg), float(max(1.0, cfg.timeout_reward))
