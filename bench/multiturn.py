@@ -23,7 +23,9 @@
    by default "turn", each answer credited with the state it left, a revision among the task's other
    revisions at its turn; `rl.loss_agg` from --loss-agg: by default each answer a sequence in the loss),
    each for waves until it has sampled the budget (the K-turn run's episodes
-   sample more per prompt, so it sees fewer prompts).
+   sample more per prompt, so it sees fewer prompts). The family curriculum moves from easy to hard
+   over each run's budget (`planned_waves`; before 2026-12-06 it stayed at its start: uniform over
+   difficulties, as `steps` was a bound of 10,000 waves).
    Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
    take 2-3.5x as long), so that the cores stay busy across seeds (training is bit-identical
    across thread counts, DESIGN.md "Determinism").
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -122,6 +125,16 @@ def held_out(policy, heldout, cfg) -> dict:
             "passed": dict(zip(rows["task_id"], rows["passed"]))}
 
 
+def planned_waves(step: int, sampled: int, budget: int) -> int:
+    """How many waves a run bounded by `budget` sampled tokens will take, projected from the `step`
+    waves so far (`sampled` tokens): the `steps` the family curriculum reads its progress from
+    (`pick_tasks`: wave `step` of `steps`), so that it moves from easy to hard over the budget as
+    it does over a nightly's waves. Wave 0 is the curriculum's start whatever the total."""
+    if step == 0 or sampled == 0:
+        return 1
+    return step + max(1, math.ceil((budget - sampled) * step / sampled))
+
+
 def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout) -> dict:
     """Waves of the nightly's stages until `args.budget` sampled tokens; then the held-out evaluation in
     K-turn mode (`--turns`), whatever the run trained with."""
@@ -130,11 +143,12 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
     from tasks.score import score_wave
     from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 
-    cfg = config(str(store), run_id, args, seed, turns, model_path)
+    cfg = config(str(store), run_id, args, seed, turns, model_path)   # steps: planned_waves, per wave
     policy = bootstrap_policy.fn(run_id, cfg, train_refs)
     sampled, step, t0, rewards = 0, 0, time.perf_counter(), []
     while sampled < args.budget:
-        wave, rollout_stats = rollout_wave.fn(policy, step, train_refs, cfg)
+        clock = cfg.model_copy(update={"steps": planned_waves(step, sampled, args.budget)})
+        wave, rollout_stats = rollout_wave.fn(policy, step, train_refs, clock)
         scored, wave_stats = score_wave.fn(wave, train_refs, cfg)
         policy, _ = train_epoch.fn(policy, gate_wave.fn(scored, train_refs, cfg), cfg)
         sampled += rollout_stats["sampled_tokens"]
