@@ -2,6 +2,7 @@
 
     python -m bench.rollout                   # ~1-2 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.rollout --prompts 8 --group 8 --max-new-tokens 48 --reps 7
+    python -m bench.rollout --episodes --prompts 16   # 3-turn episodes: KV cache grown in place vs by torch.cat
 
 The policy is the embedded tiny model built the way bench.train_step builds it (ratchet.model:
 Llama-style, hidden 192, 4 layers, BPE tokenizer trained on python_functions tasks) and
@@ -68,6 +69,70 @@ def hf_run(model, tokenizer, prompts: list[str], args) -> tuple[int, float]:
     return int((~after_eos).sum()), dt
 
 
+OBSERVATION = ("Tests failed:\n- f(3): expected 7, got 5\n- f(11): expected 3, got raised ZeroDivisionError: "
+               "division by zero\nFix the function and answer again.\n")
+
+
+def episodes_run(engine, prompts: list[str], args, seed: int, concat: bool) -> tuple[list, float]:
+    """3-turn episodes (by default) of every prompt x group in one batch: after each turn an episode ends
+    with probability 0.4 (it passed), else gets OBSERVATION (`seed` fixes which, and the samples).
+    concat: the KV cache as DynamicLayer grows it (torch.cat per step), the baseline."""
+    from ratchet.rollout import episodes
+
+    rng = random.Random(seed)
+    respond = lambda k, live: [None if rng.random() < 0.4 else OBSERVATION for _ in live]  # noqa: E731
+    growing = episodes._growing_cache
+    if concat:
+        from transformers.cache_utils import DynamicCache
+        episodes._growing_cache = lambda model: DynamicCache(config=model.config)
+    try:
+        t0 = time.perf_counter()
+        out = episodes.generate_episodes(engine, prompts, n=args.group, respond=respond, max_turns=args.turns,
+                                         max_new_tokens=args.max_new_tokens, seed=seed,
+                                         batch_size=args.prompts * args.group)
+        return out, time.perf_counter() - t0
+    finally:
+        episodes._growing_cache = growing
+
+
+def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
+    """--episodes: multi-turn episode sampling with the KV cache grown in place against grown by
+    concatenation; both sides sample the same tokens (checked), so the ratio is of time alone."""
+    from ratchet.rollout.episodes import prefill_figure
+
+    rng = random.Random(2)
+    tps: dict[str, list[float]] = {"in_place": [], "concat": []}
+    figures = []
+    for rep in range(args.reps + 1):
+        prompts = [tasks[i].prompt for i in rng.sample(range(len(tasks)), args.prompts)]
+        runs = {}
+        for name in (["in_place", "concat"] if rep % 2 else ["concat", "in_place"]):
+            eps, dt = episodes_run(engine, prompts, args, seed=rep, concat=name == "concat")
+            runs[name] = [e.completion_ids for e in eps]
+            if rep > 0:
+                tps[name].append(sum(len(t.action_ids) for e in eps for t in e.turns) / dt)
+        if runs["in_place"] != runs["concat"]:
+            raise AssertionError(f"repeat {rep}: the two caches sampled different episodes")
+        figures.append(prefill_figure(eps))
+    ours, base = statistics.median(tps["in_place"]), statistics.median(tps["concat"])
+    result = {
+        "work": {"mode": "episodes", "prompts": args.prompts, "group": args.group, "turns": args.turns,
+                 "max_new_tokens": args.max_new_tokens, "reps": args.reps,
+                 "respond": "each turn: ends with p 0.4, else an observation"},
+        "observation_tokens": len(tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]),
+        "mean_turns": round(statistics.mean(f["mean_turns"] for f in figures), 2),
+        "prefill_tokens_reuse": round(statistics.mean(f["prefill_tokens_reuse"] for f in figures), 1),
+        "prefill_tokens_recompute": round(statistics.mean(f["prefill_tokens_recompute"] for f in figures), 1),
+        "torch_threads": torch.get_num_threads(),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "in_place_tokens_per_s": round(ours, 1),
+        "concat_tokens_per_s": round(base, 1),
+        "ratio": round(ours / base, 2),
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--prompts", type=int, default=8, help="B: distinct prompts per batch")
@@ -78,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sft-steps", type=int, default=90)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: robust on a shared 2-core machine)")
+    p.add_argument("--episodes", action="store_true",
+                   help="multi-turn episodes (generate_episodes): KV cache grown in place vs by concatenation")
+    p.add_argument("--turns", type=int, default=3, help="with --episodes: turns per episode at most")
     args = p.parse_args(argv)
 
     from bench.train_step import build_policy, quiet_and_pinned
@@ -88,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     model, tokenizer, tasks = build_policy(types.SimpleNamespace(n_tasks=args.n_tasks, sft_steps=args.sft_steps))
     engine = TorchEngine(model, tokenizer)
+    if args.episodes:
+        return episodes_main(engine, tokenizer, tasks, args, t_start)
     rng = random.Random(2)
     sides = {"ratchet": lambda ps: ratchet_run(engine, ps, args),
              "ratchet_generic_decode": lambda ps: generic_decode_run(engine, ps, args),

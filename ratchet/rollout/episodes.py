@@ -18,7 +18,9 @@ How a batch (up to `batch_size` episodes, grouped by prompt) runs (`_Conversatio
   the others append [the answer's last token, which no decode step forwarded] + the observation's
   tokens in ONE left-padded forward over the existing cache: the conversation is never re-prefilled.
 The model's own forward with its DynamicCache does every step, so any causal LM works (the fused
-Llama decode of ratchet/rollout/decoders.py serves single-turn `generate` only).
+Llama decode of ratchet/rollout/decoders.py serves single-turn `generate` only); its full-attention
+layers grow in place (`_GrowingLayer`: columns written into spare room, not the cache concatenated
+per step; 1.27x the tokens/s of concatenation, the same tokens, `python -m bench.rollout --episodes`).
 
 Observation tokens: `tokenizer(obs, add_special_tokens=False)`; with `engine.chat_template` the
 observation is a user turn of the model's chat template (`observation_ids`). Log-probs, greedy,
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from ratchet.rollout.engine import check_room, first_stop
 from ratchet.rollout.torch_engine import TorchEngine, _StopScanner, sample
@@ -86,6 +89,49 @@ class Episode:
         return [m for turn in self.turns for m in [1] * len(turn.action_ids) + [0] * len(turn.observation_ids)]
 
 
+class _GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values live in buffers with room to spare, so that appending q
+    tokens writes q columns instead of copying the whole cache (DynamicLayer's `torch.cat`: a
+    quarter of a 3-turn batch's decode time on CPU, bench.rollout --episodes). Room doubles when it
+    runs out, so a conversation of L tokens copies O(L) columns in all, not O(L^2). `keys`/`values`
+    are views of the filled columns, so the model's attention and masks see what DynamicLayer shows."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None                                                 # [b, H, room, D]
+        self._length = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, q = self._length, key_states.shape[-2]
+        if self._k is None or start + q > self._k.shape[-2]:
+            room = max(start + q, 2 * start, 64)
+            k = key_states.new_empty(*key_states.shape[:-2], room, key_states.shape[-1])
+            v = value_states.new_empty(*value_states.shape[:-2], room, value_states.shape[-1])
+            if start:
+                k[..., :start, :], v[..., :start, :] = self.keys, self.values
+            self._k, self._v = k, v
+        self._k[..., start:start + q, :] = key_states
+        self._v[..., start:start + q, :] = value_states
+        self._length = start + q
+        self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized and self._k is not None:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
+
+
+def _growing_cache(model) -> DynamicCache:
+    """The model's DynamicCache with its full-attention layers growing in place (_GrowingLayer);
+    other layer kinds (sliding windows) as the model makes them."""
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 class _Conversations:
     """The KV cache of a batch of growing conversations, one row each: the left-padded prompts, one
     column per decode step (attention 0 where the row sat the step out), left-padded appended chunks.
@@ -101,7 +147,7 @@ class _Conversations:
             attn[u, P - len(p):] = 1
         ids, attn, owner = ids.to(device), attn.to(device), owner.to(device)
         out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1)
+                    cache=_growing_cache(model), use_cache=True, logits_to_keep=1)
         out.cache.batch_select_indices(owner)                                     # [U, ...] -> [b, ...]
         self.model, self.pad, self.cache, self.attn = model, pad, out.cache, attn[owner]  # attn: [b, L]
         self.length = attn.sum(-1)[owner]                                         # [b]

@@ -5,6 +5,8 @@ observation as a user turn of a chat template.
     .venv/bin/python -m pytest tests/rollout/test_episodes.py -q
 """
 
+import types
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -272,3 +274,32 @@ def test_episode_properties_on_a_hand_built_episode():
     assert e.logprobs == [-0.5, -1.0, -0.1, 0.0, 0.0, -0.2, -0.3]
     assert e.loss_mask == [1, 1, 1, 0, 0, 1, 1]
     assert t2.text_before_stop == "c" and t1.text_before_stop == "ab"
+
+
+def test_the_growing_cache_holds_what_concatenation_holds():
+    """_GrowingLayer against DynamicLayer through prefill, one-token steps, a chunk that outgrows the
+    room it had, and rows leaving the batch: the same keys and values every time, and a full-attention
+    layer only (a sliding window stays the model's own layer)."""
+    from transformers import MistralConfig
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    from ratchet.rollout.episodes import _GrowingLayer, _growing_cache
+
+    g = torch.Generator().manual_seed(0)
+    ours, ref = _GrowingLayer(), DynamicLayer()
+    for step, (rows, q) in enumerate([(5, 40), (5, 1), (5, 1), (3, 30), (3, 1), (2, 7)]):
+        if step and rows < ours.keys.shape[0]:
+            keep = torch.arange(rows) * 2 % ours.keys.shape[0]
+            ours.batch_select_indices(keep), ref.batch_select_indices(keep)
+        k, v = torch.randn(rows, 2, q, 4, generator=g), torch.randn(rows, 2, q, 4, generator=g)
+        got, want = ours.update(k, v), ref.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert ours.get_seq_length() == ref.get_seq_length() and ours.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    assert ours._k.shape[-2] == 84   # 40 + 2 fit the first 64; 30 more did not: the room doubled the 42 filled
+
+    sliding = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, sliding_window=8, vocab_size=32)
+    kinds = {type(layer) for layer in _growing_cache(types.SimpleNamespace(config=sliding)).layers}
+    assert kinds == {DynamicSlidingWindowLayer}
+    llama = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, vocab_size=32)
+    assert {type(layer) for layer in _growing_cache(types.SimpleNamespace(config=llama)).layers} == {_GrowingLayer}
