@@ -73,14 +73,14 @@ OBSERVATION = ("Tests failed:\n- f(3): expected 7, got 5\n- f(11): expected 3, g
                "division by zero\nFix the function and answer again.\n")
 
 
-def episodes_run(engine, prompts: list[str], args, seed: int, concat: bool) -> tuple[list, float]:
+def episodes_run(engine, prompts: list[str], observation: str, args, seed: int, concat: bool) -> tuple[list, float]:
     """3-turn episodes (by default) of every prompt x group in one batch: after each turn an episode ends
-    with probability 0.4 (it passed), else gets OBSERVATION (`seed` fixes which, and the samples).
+    with probability 0.4 (it passed), else gets `observation` (`seed` fixes which, and the samples).
     concat: the KV cache as DynamicLayer grows it (torch.cat per step), the baseline."""
     from ratchet.rollout import episodes
 
     rng = random.Random(seed)
-    respond = lambda k, live: [None if rng.random() < 0.4 else OBSERVATION for _ in live]  # noqa: E731
+    respond = lambda k, live: [None if rng.random() < 0.4 else observation for _ in live]  # noqa: E731
     growing = episodes._growing_cache
     if concat:
         from transformers.cache_utils import DynamicCache
@@ -100,6 +100,8 @@ def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
     concatenation; both sides sample the same tokens (checked), so the ratio is of time alone."""
     from ratchet.rollout.episodes import prefill_figure
 
+    cut = tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"][:args.observation_tokens]
+    observation = tokenizer.decode(cut)                  # as agent.observation_tokens cuts a real one
     rng = random.Random(2)
     tps: dict[str, list[float]] = {"in_place": [], "concat": []}
     figures = []
@@ -107,7 +109,7 @@ def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
         prompts = [tasks[i].prompt for i in rng.sample(range(len(tasks)), args.prompts)]
         runs = {}
         for name in (["in_place", "concat"] if rep % 2 else ["concat", "in_place"]):
-            eps, dt = episodes_run(engine, prompts, args, seed=rep, concat=name == "concat")
+            eps, dt = episodes_run(engine, prompts, observation, args, seed=rep, concat=name == "concat")
             runs[name] = [e.completion_ids for e in eps]
             if rep > 0:
                 tps[name].append(sum(len(t.action_ids) for e in eps for t in e.turns) / dt)
@@ -119,7 +121,7 @@ def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
         "work": {"mode": "episodes", "prompts": args.prompts, "group": args.group, "turns": args.turns,
                  "max_new_tokens": args.max_new_tokens, "reps": args.reps,
                  "respond": "each turn: ends with p 0.4, else an observation"},
-        "observation_tokens": len(tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"]),
+        "observation_tokens": len(tokenizer(observation, add_special_tokens=False)["input_ids"]),
         "mean_turns": round(statistics.mean(f["mean_turns"] for f in figures), 2),
         "prefill_tokens_reuse": round(statistics.mean(f["prefill_tokens_reuse"] for f in figures), 1),
         "prefill_tokens_recompute": round(statistics.mean(f["prefill_tokens_recompute"] for f in figures), 1),
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--episodes", action="store_true",
                    help="multi-turn episodes (generate_episodes): KV cache grown in place vs by concatenation")
     p.add_argument("--turns", type=int, default=3, help="with --episodes: turns per episode at most")
+    p.add_argument("--observation-tokens", type=int, default=48, help="with --episodes: the observation's budget "
+                   "(agent.observation_tokens)")
     args = p.parse_args(argv)
 
     from bench.train_step import build_policy, quiet_and_pinned
