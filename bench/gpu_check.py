@@ -78,7 +78,7 @@ def check_deepspeed_zero2(model_dir: Path) -> dict:
     from ratchet.config import RLConfig, TrainConfig
     from ratchet.model import load_policy
     from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
-    from ratchet.rollout.vllm import free_port
+    from ratchet.net import free_port
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     model, tok = load_policy(model_dir)

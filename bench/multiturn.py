@@ -236,7 +236,7 @@ def main() -> None:
             prefect_test_harness(server_startup_timeout=180), disable_run_logger():
         store = Path(tmp)
         train_refs, heldout, model_path, warm = start(store, args)
-        warm_passed = warm.pop("passed")
+        warm.pop("passed")                              # per task: the pairing is of the trained runs
         spawn = multiprocessing.get_context("spawn")
         arms = (("multi", args.turns), ("single", 1))   # the K-turn runs first: they are the long ones
         pooled_multi, pooled_single = {}, {}           # (seed, task) -> passed at the last turn

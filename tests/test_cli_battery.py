@@ -360,12 +360,11 @@ def test_s3_settings(s3_env, files, no_flow, monkeypatch, unset, uri, needle, co
 
 
 def test_s3_endpoint_that_does_not_answer(s3_env, files, no_flow, monkeypatch):
-    import socket
     import time
 
-    with socket.socket() as s:           # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ratchet.net import free_port
+
+    port = free_port()                   # a port nobody listens on
     monkeypatch.setenv("RATCHET_S3_ENDPOINT", f"127.0.0.1:{port}")
     t0 = time.monotonic()
     res = CliRunner().invoke(app, ["run", "--store", "s3://ratchet-battery/p"])

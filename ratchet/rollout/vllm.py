@@ -41,7 +41,6 @@ from __future__ import annotations
 import atexit
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -50,13 +49,8 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from ratchet.net import free_port
 from ratchet.rollout.client import HTTPEngine
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def vllm_command(python: str, model: str, port: int, host: str = "127.0.0.1", served_name: str = "policy",

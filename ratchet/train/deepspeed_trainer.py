@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import torch
 
+from ratchet.net import free_port
 from ratchet.config import TrainConfig
 from ratchet.train.backend import Trainer
 
@@ -58,12 +58,6 @@ def ds_config(cfg: TrainConfig) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_distributed() -> None:
     """Join the launcher's process group, or start a one-process group on loopback."""
     import deepspeed
@@ -73,7 +67,7 @@ def init_distributed() -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     if not torch.cuda.is_available():
         # The CPU accelerator JIT-compiles a shared-memory all-reduce op (~50-90 s) at start-up;
         # one process has nothing to reduce with, and several reduce over plain gloo just as well

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from ratchet.net import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -63,12 +64,6 @@ T0 = time.monotonic()
 def _mark(what: str) -> None:
     """A timeline on stdout (pytest shows it on failure; -s shows it always)."""
     print(f"[{time.monotonic() - T0:6.1f} s] {what}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Processes:
@@ -142,7 +137,7 @@ def stack(tmp_path, s3_env):
     global T0
     T0 = time.monotonic()
     procs = Processes(tmp_path)
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"),
                      PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false")   # no schedule may fire here

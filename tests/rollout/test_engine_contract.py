@@ -24,6 +24,7 @@ import torch
 from typer.testing import CliRunner
 
 from ratchet.model import build_model, build_tokenizer, load_policy, save_policy
+from ratchet.net import free_port
 from ratchet.rollout.client import EngineRequestError, HTTPEngine
 from ratchet.rollout.engine import RolloutEngine, first_stop
 from ratchet.rollout.torch_engine import TorchEngine
@@ -89,9 +90,7 @@ def vllm_server(checkpoints):
     exe = os.environ.get("RATCHET_VLLM") or shutil.which("vllm")
     if not exe:
         pytest.skip("no vllm executable (set RATCHET_VLLM to the `vllm` of its own environment)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([exe, "serve", str(checkpoints[0]), "--host", "127.0.0.1", "--port", str(port),
                              "--served-model-name", "tiny", "--dtype", "float32", "--seed", "0",
                              "--logprobs-mode", "processed_logprobs"])

@@ -22,7 +22,8 @@ from ratchet.model import load_policy
 from ratchet.rollout.behaviour import ServerWeights
 from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
-from ratchet.rollout.vllm import ServerProcess, VLLMEngine, free_port, vllm_command, vllm_engine
+from ratchet.net import free_port
+from ratchet.rollout.vllm import ServerProcess, VLLMEngine, vllm_command, vllm_engine
 from tests.rollout.test_engine_contract import PROMPTS, _save
 
 ROOT = Path(__file__).resolve().parents[2]

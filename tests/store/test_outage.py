@@ -5,7 +5,6 @@ its objects in this process, so a restart is an outage, not a wipe)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -13,20 +12,15 @@ import uuid
 import pytest
 
 from ratchet.errors import StoreUnavailable
+from ratchet.net import free_port
 from ratchet.store import S3Store, StoreLost, open_store
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
 def own_server(monkeypatch):
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     servers = [ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)]
     servers[0].start()
     for k, v in {"RATCHET_S3_ENDPOINT": f"127.0.0.1:{port}", "RATCHET_S3_SECURE": "0", "AWS_ACCESS_KEY_ID": "t",

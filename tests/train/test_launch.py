@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 
 from ratchet.config import NightlyConfig, RLConfig, RolloutConfig, StoreConfig, TrainConfig
 from ratchet.model import save_policy
+from ratchet.net import free_port
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.rollout.wave import wave_frame
 from ratchet.store import open_store
@@ -50,12 +50,6 @@ def _store_with_wave(tmp_path, n_groups: int):
     frame = wave_frame("r", 0, 0, specs, rollouts, 4).with_columns(pl.Series("reward", rewards, dtype=pl.Float64))
     store.write_table("runs/r/waves/000000/scored.parquet", frame)
     return store
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_shard_groups_gives_every_rank_the_same_number_of_whole_groups():
@@ -100,7 +94,7 @@ def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
     (a rank short of one crashed gloo with a collective mismatch) and ZeRO-3 gathers in every forward
     (it hung). Rank 1 pads with a zero-loss pass; the step's gradient is the mean of the two ranks'
     minibatch gradients, as the one-process torch trainer computes them, with nothing added."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", "from tests.train.test_launch import _uneven_rank; _uneven_rank()"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
@@ -197,7 +191,7 @@ def test_two_cpu_processes_train_one_wave_and_write_the_next_checkpoint(tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     args = ["--config", str(tmp_path / "run.json"), "--run-id", "r", "--step", "0"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "--module", "ratchet.train.launch", *args]
+           "--master_port", str(free_port()), "--module", "ratchet.train.launch", *args]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])

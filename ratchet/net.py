@@ -1,0 +1,18 @@
+"""A free loopback port, for a process ratchet starts that listens on one (a vLLM server, a
+DeepSpeed rendezvous) and for tests that start servers.
+
+    port = free_port()        # bound and released here; the caller's process binds it next
+
+The port is free when asked; another process can take it before the caller binds it, so a caller
+that starts a server should treat "address in use" as a retryable start.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
