@@ -3,8 +3,8 @@ DeepSpeed rendezvous) and for tests that start servers.
 
     port = free_port()        # bound and released here; the caller's process binds it next
 
-The port is free when asked; another process can take it before the caller binds it, so a caller
-that starts a server should treat "address in use" as a retryable start.
+The port is free when asked; another process can take it before the caller binds it (a window of
+milliseconds on loopback; neither caller retries such a start today).
 """
 
 from __future__ import annotations

@@ -95,7 +95,10 @@ class _GrowingLayer(DynamicLayer):
     tokens writes q columns instead of copying the whole cache (DynamicLayer's `torch.cat`: a
     quarter of a 3-turn batch's decode time on CPU, bench.rollout --episodes). Room doubles when it
     runs out, so a conversation of L tokens copies O(L) columns in all, not O(L^2). `keys`/`values`
-    are views of the filled columns, so the model's attention and masks see what DynamicLayer shows."""
+    are views of the filled columns, so the model's attention and masks see what DynamicLayer shows.
+    For no-grad rollout: the buffers are written in place (autograd through an earlier step's keys,
+    or extending a cache filled under inference_mode outside it, would fail). Offloading is not
+    supported (it raises)."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -119,10 +122,33 @@ class _GrowingLayer(DynamicLayer):
         self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
         return self.keys, self.values
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def _rows(self, select) -> None:
+        """Apply `select` to the buffers' batch dim (rows leave, reorder or repeat) and re-point the views."""
         if self.is_initialized and self._k is not None:
-            self._k, self._v = self._k[indices], self._v[indices]
+            self._k, self._v = select(self._k), select(self._v)
             self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(lambda t: t[indices])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """As DynamicLayer: a negative count drops that many columns from the end; the room stays."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: a negative count of columns to remove, got {tokens_to_remove}")
+        if tokens_to_remove and self.is_initialized and self._k is not None:
+            self._length = max(0, self._length + tokens_to_remove)
+            self._rows(lambda t: t)
+
+    def offload(self):
+        raise NotImplementedError("_GrowingLayer: offloading is not supported (rollout keeps its cache on device)")
+
+    prefetch = offload
 
 
 def _growing_cache(model) -> DynamicCache:

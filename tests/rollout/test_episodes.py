@@ -296,6 +296,12 @@ def test_the_growing_cache_holds_what_concatenation_holds():
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert ours.get_seq_length() == ref.get_seq_length() and ours.get_mask_sizes(1) == ref.get_mask_sizes(1)
     assert ours._k.shape[-2] == 84   # 40 + 2 fit the first 64; 30 more did not: the room doubled the 42 filled
+    for change in (lambda layer: layer.crop(-3), lambda layer: layer.reorder_cache(torch.tensor([1, 0])),
+                   lambda layer: layer.batch_repeat_interleave(2)):                  # then one more step each
+        change(ours), change(ref)
+        k, v = torch.randn(ref.keys.shape[0], 2, 1, 4, generator=g), torch.randn(ref.keys.shape[0], 2, 1, 4, generator=g)
+        got, want = ours.update(k, v), ref.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
     sliding = MistralConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=1, sliding_window=8, vocab_size=32)
