@@ -2,7 +2,7 @@
 
     python -m bench.rollout                   # ~1-2 min on 2 CPU cores; the LAST line is one JSON object
     python -m bench.rollout --prompts 8 --group 8 --max-new-tokens 48 --reps 7
-    python -m bench.rollout --episodes --prompts 16   # 3-turn episodes: KV cache grown in place vs by torch.cat
+    python -m bench.rollout --episodes --prompts 16   # 3-turn episodes: the engine's cache vs torch.cat's
 
 The policy is the embedded tiny model built the way bench.train_step builds it (ratchet.model:
 Llama-style, hidden 192, 4 layers, BPE tokenizer trained on python_functions tasks) and
@@ -73,18 +73,26 @@ OBSERVATION = ("Tests failed:\n- f(3): expected 7, got 5\n- f(11): expected 3, g
                "division by zero\nFix the function and answer again.\n")
 
 
-def episodes_run(engine, prompts: list[str], observation: str, args, seed: int, concat: bool) -> tuple[list, float]:
+EPISODE_SIDES = ("ratchet", "no_parking", "concat")
+
+
+def episodes_run(engine, prompts: list[str], observation: str, args, seed: int, side: str) -> tuple[list, float]:
     """3-turn episodes (by default) of every prompt x group in one batch: after each turn an episode ends
     with probability 0.4 (it passed), else gets `observation` (`seed` fixes which, and the samples).
-    concat: the KV cache as DynamicLayer grows it (torch.cat per step), the baseline."""
+    side: "ratchet" (the cache grown in place, rows whose answer ended set aside), "no_parking" (grown
+    in place, every row forwarded every step), "concat" (DynamicLayer's torch.cat per step, which
+    cannot park either: the baseline, as the engine was before 2026-12-06)."""
+    from transformers.cache_utils import DynamicCache
+
     from ratchet.rollout import episodes
 
     rng = random.Random(seed)
     respond = lambda k, live: [None if rng.random() < 0.4 else observation for _ in live]  # noqa: E731
-    growing = episodes._growing_cache
-    if concat:
-        from transformers.cache_utils import DynamicCache
+    growing, can_park = episodes._growing_cache, episodes._Conversations.can_park
+    if side == "concat":
         episodes._growing_cache = lambda model: DynamicCache(config=model.config)
+    if side == "no_parking":
+        episodes._Conversations.can_park = property(lambda self: False)
     try:
         t0 = time.perf_counter()
         out = episodes.generate_episodes(engine, prompts, n=args.group, respond=respond, max_turns=args.turns,
@@ -92,31 +100,32 @@ def episodes_run(engine, prompts: list[str], observation: str, args, seed: int, 
                                          batch_size=args.prompts * args.group)
         return out, time.perf_counter() - t0
     finally:
-        episodes._growing_cache = growing
+        episodes._growing_cache, episodes._Conversations.can_park = growing, can_park
 
 
 def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
-    """--episodes: multi-turn episode sampling with the KV cache grown in place against grown by
-    concatenation; both sides sample the same tokens (checked), so the ratio is of time alone."""
+    """--episodes: multi-turn episode sampling as the engine does it against the KV cache grown by
+    concatenation (and, to show what each part is worth, grown in place without parking); every side
+    samples the same tokens (checked), so the ratio is of time alone."""
     from ratchet.rollout.episodes import prefill_figure
 
     cut = tokenizer(OBSERVATION, add_special_tokens=False)["input_ids"][:args.observation_tokens]
     observation = tokenizer.decode(cut)                  # as agent.observation_tokens cuts a real one
     rng = random.Random(2)
-    tps: dict[str, list[float]] = {"in_place": [], "concat": []}
+    tps: dict[str, list[float]] = {name: [] for name in EPISODE_SIDES}
     figures = []
     for rep in range(args.reps + 1):
         prompts = [tasks[i].prompt for i in rng.sample(range(len(tasks)), args.prompts)]
         runs = {}
-        for name in (["in_place", "concat"] if rep % 2 else ["concat", "in_place"]):
-            eps, dt = episodes_run(engine, prompts, observation, args, seed=rep, concat=name == "concat")
+        for name in (EPISODE_SIDES if rep % 2 else EPISODE_SIDES[::-1]):
+            eps, dt = episodes_run(engine, prompts, observation, args, seed=rep, side=name)
             runs[name] = [e.completion_ids for e in eps]
             if rep > 0:
                 tps[name].append(sum(len(t.action_ids) for e in eps for t in e.turns) / dt)
-        if runs["in_place"] != runs["concat"]:
-            raise AssertionError(f"repeat {rep}: the two caches sampled different episodes")
+        if any(runs[name] != runs["concat"] for name in EPISODE_SIDES):
+            raise AssertionError(f"repeat {rep}: the sides sampled different episodes")
         figures.append(prefill_figure(eps))
-    ours, base = statistics.median(tps["in_place"]), statistics.median(tps["concat"])
+    ours, base = statistics.median(tps["ratchet"]), statistics.median(tps["concat"])
     result = {
         "work": {"mode": "episodes", "prompts": args.prompts, "group": args.group, "turns": args.turns,
                  "max_new_tokens": args.max_new_tokens, "reps": args.reps,
@@ -127,7 +136,8 @@ def episodes_main(engine, tokenizer, tasks, args, t_start: float) -> dict:
         "prefill_tokens_recompute": round(statistics.mean(f["prefill_tokens_recompute"] for f in figures), 1),
         "torch_threads": torch.get_num_threads(),
         "wall_s": round(time.perf_counter() - t_start, 1),
-        "in_place_tokens_per_s": round(ours, 1),
+        "no_parking_tokens_per_s": round(statistics.median(tps["no_parking"]), 1),
+        "ratchet_tokens_per_s": round(ours, 1),
         "concat_tokens_per_s": round(base, 1),
         "ratio": round(ours / base, 2),
     }
@@ -146,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1: robust on a shared 2-core machine)")
     p.add_argument("--episodes", action="store_true",
-                   help="multi-turn episodes (generate_episodes): KV cache grown in place vs by concatenation")
+                   help="multi-turn episodes (generate_episodes): the engine's KV cache (grown in place, "
+                   "finished rows set aside) vs grown by concatenation")
     p.add_argument("--turns", type=int, default=3, help="with --episodes: turns per episode at most")
     p.add_argument("--observation-tokens", type=int, default=48, help="with --episodes: the observation's budget "
                    "(agent.observation_tokens)")

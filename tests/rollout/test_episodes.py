@@ -95,6 +95,34 @@ def test_every_steps_logits_equal_a_from_scratch_forward():
     assert conv.length.tolist() == [len(s) for s in seqs]
 
 
+def test_rows_parked_aside_come_back_as_if_they_had_sat_the_steps_out():
+    """park / unpark: four rows; two set aside after a step, then one more of the two left (nested);
+    the last decodes alone; all come back in their order and an observation chunk over every row's
+    cache gives each the from-scratch forward's logits."""
+    engine, model = _engine()
+    prompts = engine.encode_prompts(PROMPTS[:2])
+    conv = _Conversations(model, prompts, torch.tensor([0, 0, 1, 1]), engine.pad)
+    assert conv.can_park
+    seqs = [list(prompts[0]), list(prompts[0]), list(prompts[1]), list(prompts[1])]
+    conv.step(torch.tensor([5, 6, 7, 8]), torch.ones(4, dtype=torch.bool))
+    seqs = [s + [t] for s, t in zip(seqs, [5, 6, 7, 8])]
+    outer = conv.park(torch.tensor([1, 3]))                    # rows 0 and 2 wait
+    conv.step(torch.tensor([9, 10]), torch.ones(2, dtype=torch.bool))
+    seqs[1], seqs[3] = seqs[1] + [9], seqs[3] + [10]
+    inner = conv.park(torch.tensor([1]))                       # of rows 1 and 3, row 1 waits too
+    for t in (11, 12):
+        conv.step(torch.tensor([t]), torch.ones(1, dtype=torch.bool))
+        seqs[3] = seqs[3] + [t]
+    torch.testing.assert_close(conv.logits[0], _full_logits(model, seqs[3])[-1], atol=1e-4, rtol=1e-4)
+    conv.unpark(inner), conv.unpark(outer)
+    assert conv.length.tolist() == [len(s) for s in seqs] and conv.attn.shape == (4, len(prompts[1]) + 4)
+    chunks = [[13, 14], [15], [16, 17, 18], [19]]
+    conv.extend(chunks)
+    seqs = [s + c for s, c in zip(seqs, chunks)]
+    for r, s in enumerate(seqs):
+        torch.testing.assert_close(conv.logits[r], _full_logits(model, s)[-1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs", [dict(greedy=True), dict(seed=3, temperature=0.9), dict(seed=1, stop=STOPS)])
 def test_one_turn_episodes_are_what_generate_samples(kwargs):
     engine, _ = _engine()
