@@ -121,12 +121,12 @@ class _GrowingLayer(DynamicLayer):
             self._k, self._v = k, v
         self._k[..., start:start + q, :] = key_states
         self._v[..., start:start + q, :] = value_states
-        self._length = start + q
-        self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
+        self.load(self._k, self._v, start + q)
         return self.keys, self.values
 
     def load(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Take `keys`/`values` [b, H, room, D], of which the first `length` columns are filled, as the buffers."""
+        """Take `keys`/`values` [b, H, room, D], of which the first `length` columns are filled, as the
+        buffers; `self.keys`/`self.values` become views of those columns (the one place they are set)."""
         self.is_initialized, self.device = True, keys.device
         self._k, self._v, self._length = keys, values, length
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
@@ -134,8 +134,7 @@ class _GrowingLayer(DynamicLayer):
     def _rows(self, select) -> None:
         """Apply `select` to the buffers' batch dim (rows leave, reorder or repeat) and re-point the views."""
         if self.is_initialized and self._k is not None:
-            self._k, self._v = select(self._k), select(self._v)
-            self.keys, self.values = self._k[..., :self._length, :], self._v[..., :self._length, :]
+            self.load(select(self._k), select(self._v), self._length)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._rows(lambda t: t[indices])
@@ -151,8 +150,7 @@ class _GrowingLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop: a negative count of columns to remove, got {tokens_to_remove}")
         if tokens_to_remove and self.is_initialized and self._k is not None:
-            self._length = max(0, self._length + tokens_to_remove)
-            self._rows(lambda t: t)
+            self.load(self._k, self._v, max(0, self._length + tokens_to_remove))
 
     def offload(self):
         raise NotImplementedError("_GrowingLayer: offloading is not supported (rollout keeps its cache on device)")
