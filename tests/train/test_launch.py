@@ -87,6 +87,10 @@ def _uneven_rank() -> None:
                              RLConfig())
         print(json.dumps({"rank": rank, "stage": stage, "grad_norm": t.train_wave(_uneven_wave(rank))["grad_norm"]}),
               flush=True)
+    # as `ratchet.train.launch` ends: a rank that exits with the group up can abort in gloo's threads
+    # ("terminate called without an active exception", SIGABRT) while the other is still in a collective
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
