@@ -32,7 +32,9 @@ _BOOL = {ast.And: ast.Or, ast.Or: ast.And}
 
 
 def _edits(tree: ast.AST) -> list[tuple[ast.AST, str]]:
-    """(node, replacement source) for every mutation point, in source order."""
+    """(node, replacement source) for every mutation point, in `ast.walk`'s breadth-first order: a
+    statement's replacement by `pass` comes before the operator and constant edits inside it, so the
+    first mutants that fail (what `ratchet.agent.wrong_attempts` takes) are mostly dropped statements."""
     skip: set[int] = set()
     for node in ast.walk(tree):   # f-string internals have unreliable positions: leave them
         if isinstance(node, ast.JoinedStr):

@@ -8,7 +8,7 @@
         return x
 
 A task chains 1..3 operations (difficulty = chain length) from 9 integer and 8 string
-operations, one statement each. Hidden tests call `f` on 6 inputs; the expected outputs
+operations, one statement each. Hidden tests call `f` on `n_tests` inputs (10 by default); the expected outputs
 come from applying the operations here, never from running model code.
 
 Held-out split: a fixed, seed-independent 15% of (operation, constant) pairs and of
