@@ -170,4 +170,6 @@ if __name__ == "__main__":
         if os.environ.get("RATCHET_DEBUG"):
             raise
         print(f"error: rank {os.environ.get('RANK', 0)}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()   # exiting with gloo's threads up can abort (SIGABRT, not 1)
         sys.exit(1)

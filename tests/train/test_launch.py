@@ -184,6 +184,22 @@ def test_the_nightly_restores_a_launch_checkpoint_with_the_runs_kl_reference_and
     _keeps_the_run(session.trainer, saved)
 
 
+def test_a_rank_that_fails_after_joining_the_group_exits_1_with_one_line(tmp_path):
+    """A wave that is not in the store is found missing after the process group is up: the rank says so
+    in one line and exits 1, its group left first (not SIGABRT from gloo's threads at exit)."""
+    store = open_store(str(tmp_path / "store"))
+    save_checkpoint(store, "r", 0, lambda d: save_policy(tiny.model(), tiny.tokenizer(), d))
+    (tmp_path / "run.json").write_text(json.dumps({"store": {"uri": str(tmp_path / "store")}, "model": tiny.TINY.model_dump(),
+                                                   "train": TrainConfig(backend="deepspeed").model_dump()}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "ratchet.train.launch", "--config", str(tmp_path / "run.json"),
+                          "--run-id", "r", "--step", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 0: ") and "000003" in errors[0], out.stderr[-3000:]
+    assert "terminate called" not in out.stderr
+
+
 @pytest.mark.slow
 def test_two_cpu_processes_train_one_wave_and_write_the_next_checkpoint(tmp_path):
     store = _store_with_wave(tmp_path, n_groups=5)
