@@ -8,6 +8,7 @@
     python -m bench.multiturn --repeat-reward 0     # a revision that repeats the failed answer before it scores 0
     python -m bench.multiturn --overlong-buffer 12  # an answer within 12 tokens of the 48-token cap loses up to 1 (DAPO)
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
+    python -m bench.multiturn --own-revision-steps 100   # then 100 SFT steps on revision demos from the warm start's own mistakes
     python -m bench.multiturn --seeds 0 1 2 3       # ~85 min (96 before micro-batches were cut for the least padding)
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
@@ -81,7 +82,7 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps, seed=args.warm_seed),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
-                          credit=args.credit, repeat_reward=args.repeat_reward),
+                          own_revision_steps=args.own_revision_steps, credit=args.credit, repeat_reward=args.repeat_reward),
         train=TrainConfig(seed=seed),
         rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
         reward=RewardConfig(overlong_buffer=args.overlong_buffer),   # both runs alike
@@ -217,6 +218,8 @@ def main() -> None:
                    help="reward.overlong_buffer of both runs: DAPO's soft overlong punishment, in tokens (0: off)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
     p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
+    p.add_argument("--own-revision-steps", type=int, default=0,
+                   help="agent.own_revision_steps of the shared warm start: SFT steps on revision demos from its own mistakes")
     p.add_argument("--warm-seed", type=int, default=0,
                    help="model.seed of the shared warm start (weights, SFT order, which tasks get revision demos): "
                         "another warm start, equally valid; the RL seeds' intervals do not cover it")
@@ -272,7 +275,7 @@ def main() -> None:
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "own_revision_steps": args.own_revision_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -36,6 +36,9 @@ from ratchet.rollout.wave import group_id
 from ratchet.scale import executor_for
 from ratchet.train.sft import demo_sequence
 from ratchet.verify import Verification, verify_many
+
+if TYPE_CHECKING:
+    import polars as pl
 
 CUT = "...\n"
 """Marks where an observation's feedback was cut to the token budget."""
@@ -236,7 +239,7 @@ def wrong_attempts(specs: Sequence[TaskSpec], fraction: float, verify: VerifyCon
     with_ref = [s for s in specs if s.reference_solution is not None]
     k = round(fraction * len(with_ref))
     chosen = [with_ref[i] for i in sorted(random.Random(f"revision_demos:{seed}").sample(range(len(with_ref)), k))]
-    wanted = {s.task_id: random.Random(f"revision_demos:{seed}:{s.task_id}").randint(1, attempts) for s in chosen}
+    wanted = {s.task_id: _wanted(seed, s.task_id, attempts) for s in chosen}
     candidates = [(s, m) for s in chosen for m in task_mutants(s, max(max_mutants, attempts)) if m.strip()]   # distinct
     results = verify_many(candidates, verify.sandbox_limits(), verify.concurrency, verify.env_error_retries,
                           feedback_bytes=verify.feedback_bytes,
@@ -247,6 +250,38 @@ def wrong_attempts(specs: Sequence[TaskSpec], fraction: float, verify: VerifyCon
         if not (v.env_error or v.passed) and len(got) < wanted[spec.task_id]:
             got.append((wrong, v))
     return [(s, wrongs[s.task_id]) for s in chosen if wrongs.get(s.task_id)]
+
+
+def _wanted(seed: int, task_id: str, attempts: int) -> int:
+    """How many wrong answers (1 to `attempts`) a task's revision demo asks for, drawn per task with `seed`."""
+    return random.Random(f"revision_demos:{seed}:{task_id}").randint(1, attempts)
+
+
+def own_attempts(engine, specs: Sequence[TaskSpec], agent: AgentConfig, verify: VerifyConfig, seed: int, *,
+                 max_new_tokens: int, temperature: float, batch_size: int = 128,
+                 executor=None) -> list[tuple[TaskSpec, list[tuple[str, Verification]]]]:
+    """`wrong_attempts` from the policy itself: per spec (each with a reference), one episode sampled from
+    `engine` at `temperature` for up to `agent.turns` - 1 turns (at least 1); its failed answers before
+    the first pass, as many as `_wanted` draws (1 to turns - 1), with their verdicts. A task whose first
+    answer passes, is empty or hits an env_error gives none. With `demos_from` (the reference as the
+    fix): revision demos that start from the mistakes this model makes, which it otherwise tends to
+    repeat; a mutant of the reference is a mistake it does not make (docs/multiturn-experiments.md)."""
+    specs = [s for s in specs if s.reference_solution is not None]
+    attempts = max(1, agent.turns - 1)
+    results = run_episodes(engine, specs, 1, agent.model_copy(update={"turns": attempts, "stop_on_pass": True}), verify,
+                           max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, batch_size=batch_size,
+                           executor=executor)
+    found = []
+    for spec, r in zip(specs, results):
+        wrongs = []
+        for turn, v in zip(r.episode.turns, r.verifications):
+            done = len(wrongs) == _wanted(seed, spec.task_id, attempts)
+            if done or v.passed or v.env_error or not turn.text_before_stop.strip():
+                break
+            wrongs.append((turn.text_before_stop, v))
+        if wrongs:
+            found.append((spec, wrongs))
+    return found
 
 
 def demos_from(attempts: Sequence[tuple[TaskSpec, list[tuple[str, Verification]]]], tokenizer=None,

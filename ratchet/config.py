@@ -268,6 +268,19 @@ class AgentConfig(Frozen):
         "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "
         "sandbox's real feedback on it, then the fix), so that the model has seen a revision at every turn an episode "
         "reaches before RL.")
+    own_revision_steps: int = Field(
+        0, ge=0, le=100_000, description="Embedded model's warm start: after its SFT, sample the model's own answers "
+        "(up to turns - 1 per task, at rollout.temperature) on the tasks that got a revision demo, and SFT this many "
+        "more steps on revision demos that start from its own failed answers (each with its real feedback, then the "
+        "reference), mixed with the demonstrations. A mutant of the reference is not a mistake the model makes; "
+        "its own are what it repeats. 0: off. Needs revision_demos.")
+
+    @model_validator(mode="after")
+    def _own_revisions_need_demo_tasks(self):
+        if self.own_revision_steps and not self.revision_demos:
+            raise ValueError(f"agent.own_revision_steps {self.own_revision_steps}: the own-mistake demos are sampled on "
+                             f"the tasks that get a revision demo; set agent.revision_demos above 0")
+        return self
 
 
 class RLConfig(Frozen):

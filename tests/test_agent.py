@@ -9,8 +9,8 @@ import pytest
 from envs.episode import observation_parts
 from envs.registry import get_family
 from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
-from ratchet.agent import (CUT, EpisodeResult, demos_from, episode_metrics, fit_observation, render_observation, revision_demos,
-                           run_episodes, turn_records, wrong_attempts)
+from ratchet.agent import (CUT, EpisodeResult, _wanted, demos_from, episode_metrics, fit_observation, own_attempts,
+                           render_observation, revision_demos, run_episodes, turn_records, wrong_attempts)
 from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
 from ratchet.eval import evaluate
 from ratchet.model import build_model, build_tokenizer
@@ -222,3 +222,32 @@ def test_revision_demos_really_fail_then_pass(engine):
     assert revision_demos(specs, 0.0, VERIFY, seed=1) == []
     with pytest.raises(ValueError, match="fraction"):
         revision_demos(specs, 1.5, VERIFY, seed=1)
+
+
+def test_own_attempts_are_the_models_own_failed_answers(engine):
+    """own_attempts: per task with a reference, one episode of up to turns - 1 answers sampled from the
+    engine; its failed answers before the first pass, as many as drawn per task, with their verdicts.
+    A first answer that passes, or an env_error, gives none; a task without a reference is not run."""
+    ref = {"reference_solution": "anything\n"}
+    specs = [PF.generate(PF.config(), 0, i, 2, "train") for i in range(8)]                 # the tiny model fails these
+    specs += [_command_task("passes", "true", "Anything.\n").model_copy(update=ref),
+              _command_task("env-err", "no_such_program_here answer.txt", "Anything.\n").model_copy(update=ref),
+              _command_task("no-ref", "true", "Anything.\n")]
+    agent = AgentConfig(turns=3, observation_tokens=BUDGET, stop_on_pass=False)          # own_attempts stops on a pass
+    found = own_attempts(engine, specs, agent, VERIFY, seed=5, max_new_tokens=6, temperature=1.0, batch_size=16)
+    assert {s.task_id for s, _ in found} <= {s.task_id for s in specs[:8]} and len(found) >= 6
+    same = run_episodes(engine, specs[:10], 1, agent.model_copy(update={"turns": 2, "stop_on_pass": True}), VERIFY,
+                        max_new_tokens=6, temperature=1.0, seed=5, batch_size=16)
+    episodes = {s.task_id: r for s, r in zip(specs, same)}
+    counts = set()
+    for spec, wrongs in found:
+        r = episodes[spec.task_id]                                      # the same sampling, run again
+        assert 1 <= len(wrongs) <= _wanted(5, spec.task_id, 2)
+        for (text, v), turn, again in zip(wrongs, r.episode.turns, r.verifications):
+            assert text == turn.text_before_stop and text.strip()
+            assert not v.passed and not v.env_error and v.feedback == again.feedback
+        counts.add(len(wrongs))
+    assert counts == {1, 2}                                             # 1 to turns - 1 wrong answers
+    demos = demos_from(found, engine.tokenizer, BUDGET)
+    assert [d[1][-1] for d in demos] == [(s.reference_solution, True) for s, _ in found]
+    assert demos[0][1][1][0] == render_observation(found[0][0], found[0][1][0][1], engine.tokenizer, BUDGET)

@@ -126,3 +126,10 @@ def test_an_overlong_buffer_past_the_length_cap_is_refused():
                                               r"\(rollout.max_new_tokens 48\)"):
         NightlyConfig(reward={"overlong_buffer": 64})
     assert NightlyConfig(reward={"overlong_buffer": 48}).reward.overlong_buffer == 48
+
+
+def test_own_mistake_demos_need_the_revision_demo_tasks():
+    with pytest.raises(ValidationError, match="agent.own_revision_steps 100: the own-mistake demos are sampled on the "
+                                              "tasks that get a revision demo; set agent.revision_demos above 0"):
+        NightlyConfig(agent={"own_revision_steps": 100})
+    assert NightlyConfig(agent={"own_revision_steps": 100, "revision_demos": 0.5}).agent.own_revision_steps == 100

@@ -124,13 +124,17 @@ def demonstrations(specs, fraction: float, seed: int = 0) -> list[tuple[str, str
 
 
 def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
-               revisions: Sequence[Demo] | Callable[[object], Sequence[Demo]] | None = None):
+               revisions: Sequence[Demo] | Callable[[object], Sequence[Demo]] | None = None,
+               own_revisions: Callable[[object, object], Sequence[Demo]] | None = None, own_steps: int = 0):
     """Build the embedded tiny model for `specs` (tokenizer, weights) and SFT it; save it in
     Hugging Face layout under `out_dir`. Returns the SFT losses. `revisions`: revision demos
     (prompt, [(wrong, False), (observation, False), (fix, True)]) mixed into the demonstrations;
     their text joins the tokenizer's corpus, so that observations tokenize as compactly as code.
     A callable `revisions(tokenizer)` gives them for the tokenizer built here (None: for its corpus),
-    so that their observations are cut to a token budget as an episode's are (`ratchet.agent.demos_from`)."""
+    so that their observations are cut to a token budget as an episode's are (`ratchet.agent.demos_from`).
+    `own_revisions(model, tokenizer)` with `own_steps`: after the SFT, revision demos built from what
+    the model now answers (`ratchet.agent.own_attempts`), then `own_steps` more steps on them with
+    the demonstrations, in the proportion the first SFT mixed the two (`own_phase`)."""
     from ratchet.model import build_model, build_tokenizer, save_policy
 
     demos_for = revisions if callable(revisions) else (lambda tokenizer: revisions or [])
@@ -143,10 +147,26 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
     model = build_model(cfg, tokenizer)
     demos = demonstrations(specs, cfg.sft_fraction, cfg.seed) + revisions
     losses = sft(model, tokenizer, demos, cfg.sft_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed, log=log)
+    if own_revisions is not None and own_steps > 0:
+        own = list(own_revisions(model, tokenizer))
+        mix = own_phase(demonstrations(specs, cfg.sft_fraction, cfg.seed), len(revisions), own, cfg.seed)
+        if log:
+            log(f"own-mistake revision demos: {len(own)} (with {len(mix) - len(own)} demonstrations), {own_steps} steps")
+        losses += sft(model, tokenizer, mix, own_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed + 1, log=log)
     for i, phase in enumerate(cfg.context_phases):
         losses += extend_context(model, tokenizer, phase, demos, cfg, seed=cfg.seed + i + 1, log=log)
     save_policy(model, tokenizer, out_dir)
     return losses
+
+
+def own_phase(plain: Sequence[Demo], n_revisions: int, own: Sequence[Demo], seed: int = 0) -> list[Demo]:
+    """The examples of the own-mistake phase: `own` revision demos and as many of the `plain`
+    demonstrations as keep the first SFT's proportion (len(plain) to `n_revisions`), drawn with `seed`."""
+    if not own:
+        raise ValueError("own-mistake revision demos: none were built (every sampled first answer passed, was "
+                         "empty or an env_error); turn agent.own_revision_steps off or give it tasks the model fails")
+    k = len(plain) if not n_revisions else min(len(plain), round(len(own) * len(plain) / n_revisions))
+    return random.Random(f"own-phase:{seed}").sample(list(plain), k) + list(own)
 
 
 def extend_context(model, tokenizer, phase, demos: Sequence[Demo], cfg: ModelConfig, seed: int = 0,

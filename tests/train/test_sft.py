@@ -11,7 +11,7 @@ import torch
 from envs.registry import get_family
 from ratchet.config import ModelConfig
 from ratchet.model import load_policy
-from ratchet.train.sft import demo_sequence, sft, sft_batch, warm_start
+from ratchet.train.sft import demo_sequence, own_phase, sft, sft_batch, warm_start
 from tests.train import tiny
 
 PROMPT = "# add 3, then negate it\ndef f(x):\n"
@@ -112,3 +112,41 @@ def test_warm_start_mixes_revision_demos_in(tmp_path):
     assert sum(mask) == len(tok(s.reference_solution, add_special_tokens=False)["input_ids"]) + 1
     with pytest.raises(ValueError, match="revision demo 1: segment 1 is an observation"):
         warm_start(cfg, specs, tmp_path / "bad", revisions=revisions + [(s.prompt, [(wrong, False), ("x", True), ("y", True)])])
+
+
+def test_warm_start_then_trains_on_revision_demos_from_its_own_answers(tmp_path):
+    """own_revisions(model, tokenizer) is called with the model the first SFT left (in eval mode, as a
+    rollout samples it), and own_steps more steps train on what it returns; without it, the same first SFT."""
+    fam = get_family("python_functions")
+    specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
+    s = specs[0]
+    wrong = s.reference_solution.replace("return", "return 1 +", 1)
+    revisions = [(s.prompt, [(wrong, False), ("FAILED test_0: expected 3, got 4\n", False), (s.reference_solution, True)])]
+    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=256, max_seq_len=256, sft_steps=2,
+                      sft_batch=4)
+    seen = {}
+
+    def own(model, tok):
+        seen.update(training=model.training, weights={k: v.clone() for k, v in model.state_dict().items()})
+        mine = s.reference_solution.replace("return", "return 2 *", 1)
+        return [(s.prompt, [(mine, False), ("FAILED test_1: expected 6, got 12\n", False), (s.reference_solution, True)])]
+
+    losses = warm_start(cfg, specs, tmp_path / "own", revisions=revisions, own_revisions=own, own_steps=3)
+    assert len(losses) == 5 and seen["training"] is False
+    warm_start(cfg, specs, tmp_path / "first", revisions=revisions)
+    first, _ = load_policy(tmp_path / "first")
+    trained, _ = load_policy(tmp_path / "own")
+    assert all(torch.equal(seen["weights"][k], v) for k, v in first.state_dict().items())     # the first SFT's model
+    assert any(not torch.equal(seen["weights"][k], v) for k, v in trained.state_dict().items())   # then trained on
+    with pytest.raises(ValueError, match="own-mistake revision demos: none were built"):
+        warm_start(cfg, specs, tmp_path / "none", revisions=revisions, own_revisions=lambda m, t: [], own_steps=3)
+
+
+def test_the_own_phase_keeps_the_first_sfts_mix():
+    plain = [(f"p{i}", "c\n") for i in range(100)]
+    own = [(f"o{i}", [("w\n", False), ("obs\n", False), ("fix\n", True)]) for i in range(10)]
+    mix = own_phase(plain, 50, own, seed=0)                  # the first SFT: 100 demonstrations to 50 revision demos
+    assert mix[-10:] == own and len(mix) == 30 and len({p for p, _ in mix[:20]}) == 20 and set(mix[:20]) <= set(plain)
+    assert mix == own_phase(plain, 50, own, seed=0) and mix != own_phase(plain, 50, own, seed=1)
+    capped = own_phase(plain, 5, own)                        # 10 own to 5: 200 asked, every demonstration once
+    assert len(capped) == 110 and set(capped[:100]) == set(plain)
