@@ -32,7 +32,6 @@ import os
 
 import torch
 
-from ratchet.net import free_port
 from ratchet.config import TrainConfig
 from ratchet.train.backend import Trainer
 
@@ -59,15 +58,18 @@ def ds_config(cfg: TrainConfig) -> dict:
 
 
 def init_distributed() -> None:
-    """Join the launcher's process group, or start a one-process group on loopback."""
+    """Join the launcher's process group, or start a one-process group over an in-memory store."""
     import deepspeed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        # One process has no one to rendezvous with: no TCP store, so no port to bind (a port found free
+        # and bound a moment later can be taken in between: EADDRINUSE, seen in CI under load).
+        # DeepSpeed takes a group torch already has (deepspeed.comm.init_distributed).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1)
     if not torch.cuda.is_available():
         # The CPU accelerator JIT-compiles a shared-memory all-reduce op (~50-90 s) at start-up;
         # one process has nothing to reduce with, and several reduce over plain gloo just as well
@@ -78,7 +80,7 @@ def init_distributed() -> None:
         compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
         if builder is not None and isinstance(compatible, dict):
             compatible[builder.NAME] = False
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
 class DeepSpeedTrainer(Trainer):

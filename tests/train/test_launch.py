@@ -34,6 +34,14 @@ pytest.importorskip("deepspeed")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _env() -> dict[str, str]:
+    """A child's environment: this one's, less the rendezvous an in-process DeepSpeed trainer of an earlier
+    test set (RANK, WORLD_SIZE, ...: a child would join that group of one, or want MPI to find the rest)."""
+    mine = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in mine},
+            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
 class _Spec:
     def __init__(self, i: int):
         self.task_id, self.family, self.difficulty, self.prompt = f"t{i}", "f", 1, tiny.CORPUS[i][:30]
@@ -101,7 +109,7 @@ def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", "from tests.train.test_launch import _uneven_rank; _uneven_rank()"],
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+                              env={**_env(),
                                    "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in (0, 1)]
     try:
@@ -191,7 +199,7 @@ def test_a_rank_that_fails_after_joining_the_group_exits_1_with_one_line(tmp_pat
     save_checkpoint(store, "r", 0, lambda d: save_policy(tiny.model(), tiny.tokenizer(), d))
     (tmp_path / "run.json").write_text(json.dumps({"store": {"uri": str(tmp_path / "store")}, "model": tiny.TINY.model_dump(),
                                                    "train": TrainConfig(backend="deepspeed").model_dump()}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = _env()
     out = subprocess.run([sys.executable, "-m", "ratchet.train.launch", "--config", str(tmp_path / "run.json"),
                           "--run-id", "r", "--step", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-3000:]
@@ -208,7 +216,7 @@ def test_two_cpu_processes_train_one_wave_and_write_the_next_checkpoint(tmp_path
            "train": TrainConfig(backend="deepspeed", zero_stage=2, minibatch_prompts=1, updates_per_batch=1,
                                 lr=1e-2).model_dump()}
     (tmp_path / "run.json").write_text(json.dumps(cfg))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = _env()
     args = ["--config", str(tmp_path / "run.json"), "--run-id", "r", "--step", "0"]
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), "--module", "ratchet.train.launch", *args]
