@@ -28,10 +28,11 @@ import torch
 from envs.episode import observation_parts, repeats
 from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
-from ratchet.config import AgentConfig, VerifyConfig
+from ratchet.config import AgentConfig, NightlyConfig, VerifyConfig
 from ratchet.data.schemas import trajectories_frame
 from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
+from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.rollout.wave import group_id
 from ratchet.scale import executor_for
 from ratchet.train.sft import demo_sequence
@@ -273,15 +274,40 @@ def own_attempts(engine, specs: Sequence[TaskSpec], agent: AgentConfig, verify: 
                            executor=executor)
     found = []
     for spec, r in zip(specs, results):
-        wrongs = []
+        wrongs, wanted = [], _wanted(seed, spec.task_id, attempts)
         for turn, v in zip(r.episode.turns, r.verifications):
-            done = len(wrongs) == _wanted(seed, spec.task_id, attempts)
-            if done or v.passed or v.env_error or not turn.text_before_stop.strip():
+            if len(wrongs) == wanted or v.passed or v.env_error or not turn.text_before_stop.strip():
                 break
             wrongs.append((turn.text_before_stop, v))
         if wrongs:
             found.append((spec, wrongs))
     return found
+
+
+def warm_start_revisions(cfg: NightlyConfig, specs: Sequence[TaskSpec], log=None):
+    """The embedded warm start's revision demos as `ratchet.train.sft.warm_start` takes them:
+    (revisions(tokenizer), own(model, tokenizer)), or None for what the config leaves off.
+    `agent.revision_demos`: mutants of the reference that the sandbox fails, 1 to turns - 1 per demo
+    (a revision at every turn an episode reaches); `agent.own_revision_steps`: the same tasks again,
+    from the answers the SFT'd model samples (`own_attempts`, at `rollout.temperature`)."""
+    if not cfg.agent.revision_demos:
+        return None, None
+    a = cfg.agent
+    attempts = wrong_attempts(specs, a.revision_demos, cfg.verify, cfg.model.seed, attempts=max(1, a.turns - 1))
+    if log:
+        log(f"warm start: {len(attempts)} revision demos")
+
+    def revisions(tokenizer):
+        return demos_from(attempts, tokenizer, a.observation_tokens, cfg.model.max_seq_len)
+
+    def own(model, tokenizer):
+        # no context check: a prompt past the context samples on (its demo is dropped if it does not fit)
+        found = own_attempts(TorchEngine(model, tokenizer), [s for s, _ in attempts], a, cfg.verify, cfg.model.seed,
+                             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                             batch_size=cfg.rollout.batch_size)
+        return demos_from(found, tokenizer, a.observation_tokens, cfg.model.max_seq_len)
+
+    return revisions, (own if a.own_revision_steps else None)
 
 
 def demos_from(attempts: Sequence[tuple[TaskSpec, list[tuple[str, Verification]]]], tokenizer=None,

@@ -270,7 +270,7 @@ class AgentConfig(Frozen):
         "reaches before RL.")
     own_revision_steps: int = Field(
         0, ge=0, le=100_000, description="Embedded model's warm start: after its SFT, sample the model's own answers "
-        "(up to turns - 1 per task, at rollout.temperature) on the tasks that got a revision demo, and SFT this many "
+        "(up to turns - 1 per task, at least 1; at rollout.temperature) on the tasks that got a revision demo, and SFT this many "
         "more steps on revision demos that start from its own failed answers (each with its real feedback, then the "
         "reference), mixed with the demonstrations. A mutant of the reference is not a mistake the model makes; "
         "its own are what it repeats. 0: off. Needs revision_demos.")

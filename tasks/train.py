@@ -45,26 +45,13 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
             model, tokenizer = load_policy(cfg.model.path, cfg.model.model_copy(update={"device": "cpu"}))
             write = lambda d: save_policy(model, tokenizer, d)  # noqa: E731
         else:
+            from ratchet.agent import warm_start_revisions
             from ratchet.train.sft import warm_start
 
             specs = [s for r in train for s in load_specs(r)]
-            revisions = own_revisions = None
-            if cfg.agent.revision_demos > 0:   # wrong attempts, their real feedback, the fix: the shape of a revision
-                from ratchet.agent import demos_from, own_attempts, wrong_attempts
-                from ratchet.rollout.torch_engine import TorchEngine
-
-                attempts = wrong_attempts(specs, cfg.agent.revision_demos, cfg.verify, cfg.model.seed,
-                                          attempts=max(1, cfg.agent.turns - 1))   # a revision at every turn an episode reaches
-                revisions = lambda tok: demos_from(attempts, tok, cfg.agent.observation_tokens, cfg.model.max_seq_len)  # noqa: E731
-                logger.info("warm start: %d revision demos", len(attempts))
-                # agent.own_revision_steps: then the same tasks, from the mistakes the SFT'd model makes
-                own_revisions = lambda model, tok: demos_from(  # noqa: E731
-                    own_attempts(TorchEngine(model, tok, check_context=True), [s for s, _ in attempts], cfg.agent,
-                                 cfg.verify, cfg.model.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                                 temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size),
-                    tok, cfg.agent.observation_tokens, cfg.model.max_seq_len)
+            revisions, own = warm_start_revisions(cfg, specs, log=logger.info)
             write = lambda d: warm_start(cfg.model, specs, d, log=logger.info, revisions=revisions,  # noqa: E731
-                                         own_revisions=own_revisions, own_steps=cfg.agent.own_revision_steps)
+                                         own_revisions=own, own_steps=cfg.agent.own_revision_steps)
         ref = save_checkpoint(store, run_id, 0, write)
     logger.info("policy v0 of run %s at %s", run_id, ref.uri)
     return sessions.PolicyRef(run_id=run_id, version=0, checkpoint=ref, checkpoint_version=0)

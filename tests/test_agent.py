@@ -10,8 +10,9 @@ from envs.episode import observation_parts
 from envs.registry import get_family
 from envs.spec import COMPLETION, OverwriteFile, RunCommand, TaskSpec
 from ratchet.agent import (CUT, EpisodeResult, _wanted, demos_from, episode_metrics, fit_observation, own_attempts,
-                           render_observation, revision_demos, run_episodes, turn_records, wrong_attempts)
-from ratchet.config import AgentConfig, ModelConfig, VerifyConfig
+                           render_observation, revision_demos, run_episodes, turn_records, warm_start_revisions,
+                           wrong_attempts)
+from ratchet.config import AgentConfig, ModelConfig, NightlyConfig, VerifyConfig
 from ratchet.eval import evaluate
 from ratchet.model import build_model, build_tokenizer
 from ratchet.rollout.episodes import Episode, Turn
@@ -251,3 +252,21 @@ def test_own_attempts_are_the_models_own_failed_answers(engine):
     demos = demos_from(found, engine.tokenizer, BUDGET)
     assert [d[1][-1] for d in demos] == [(s.reference_solution, True) for s, _ in found]
     assert demos[0][1][1][0] == render_observation(found[0][0], found[0][1][0][1], engine.tokenizer, BUDGET)
+
+
+def test_the_warm_starts_own_demos_sample_the_revision_demo_tasks_at_the_rollout_temperature(engine):
+    specs = [PF.generate(PF.config(), 0, i, 2, "train") for i in range(8)]
+    cfg = NightlyConfig(agent={"turns": 3, "revision_demos": 0.5, "own_revision_steps": 5, "observation_tokens": BUDGET},
+                        rollout={"temperature": 0.7, "max_new_tokens": 6, "batch_size": 16}, model={"seed": 2},
+                        verify=VERIFY.model_dump())
+    revisions, own = warm_start_revisions(cfg, specs)
+    attempts = wrong_attempts(specs, 0.5, cfg.verify, 2, attempts=2)
+    assert revisions(engine.tokenizer) == demos_from(attempts, engine.tokenizer, BUDGET, cfg.model.max_seq_len)
+    chosen = [s for s, _ in attempts]
+    assert 0 < len(chosen) < len(specs)
+    want = own_attempts(engine, chosen, cfg.agent, cfg.verify, 2, max_new_tokens=6, temperature=0.7, batch_size=16)
+    assert want
+    assert own(engine.model, engine.tokenizer) == demos_from(want, engine.tokenizer, BUDGET, cfg.model.max_seq_len)
+    assert warm_start_revisions(cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"own_revision_steps": 0})}),
+                                specs)[1] is None
+    assert warm_start_revisions(NightlyConfig(), specs) == (None, None)

@@ -152,7 +152,9 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
         mix = own_phase(demonstrations(specs, cfg.sft_fraction, cfg.seed), len(revisions), own, cfg.seed)
         if log:
             log(f"own-mistake revision demos: {len(own)} (with {len(mix) - len(own)} demonstrations), {own_steps} steps")
-        losses += sft(model, tokenizer, mix, own_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed + 1, log=log)
+        seed = cfg.seed + len(cfg.context_phases) + 1                      # not a context phase's
+        losses += sft(model, tokenizer, mix, own_steps, cfg.sft_batch, cfg.sft_lr, seed=seed, log=log)
+        demos = demos + own                                                # the context phases keep them
     for i, phase in enumerate(cfg.context_phases):
         losses += extend_context(model, tokenizer, phase, demos, cfg, seed=cfg.seed + i + 1, log=log)
     save_policy(model, tokenizer, out_dir)
@@ -161,7 +163,8 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
 
 def own_phase(plain: Sequence[Demo], n_revisions: int, own: Sequence[Demo], seed: int = 0) -> list[Demo]:
     """The examples of the own-mistake phase: `own` revision demos and as many of the `plain`
-    demonstrations as keep the first SFT's proportion (len(plain) to `n_revisions`), drawn with `seed`."""
+    demonstrations as keep the first SFT's proportion (len(plain) to `n_revisions`; every one at
+    most, and every one when the first SFT had no revision demos), drawn with `seed`."""
     if not own:
         raise ValueError("own-mistake revision demos: none were built (every sampled first answer passed, was "
                          "empty or an env_error); turn agent.own_revision_steps off or give it tasks the model fails")

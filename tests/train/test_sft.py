@@ -114,9 +114,19 @@ def test_warm_start_mixes_revision_demos_in(tmp_path):
         warm_start(cfg, specs, tmp_path / "bad", revisions=revisions + [(s.prompt, [(wrong, False), ("x", True), ("y", True)])])
 
 
-def test_warm_start_then_trains_on_revision_demos_from_its_own_answers(tmp_path):
+def test_warm_start_then_trains_on_revision_demos_from_its_own_answers(tmp_path, monkeypatch):
     """own_revisions(model, tokenizer) is called with the model the first SFT left (in eval mode, as a
-    rollout samples it), and own_steps more steps train on what it returns; without it, the same first SFT."""
+    rollout samples it), and own_steps more steps train on what it returns with the demonstrations
+    (`own_phase`, not the mutant demos); without it, the same first SFT."""
+    from ratchet.train import sft as sft_module
+
+    calls = []
+
+    def recording(model, tok, examples, steps, *args, **kwargs):
+        calls.append((list(examples), steps, kwargs["seed"]))
+        return sft(model, tok, examples, steps, *args, **kwargs)
+
+    monkeypatch.setattr(sft_module, "sft", recording)
     fam = get_family("python_functions")
     specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
     s = specs[0]
@@ -127,12 +137,17 @@ def test_warm_start_then_trains_on_revision_demos_from_its_own_answers(tmp_path)
     seen = {}
 
     def own(model, tok):
-        seen.update(training=model.training, weights={k: v.clone() for k, v in model.state_dict().items()})
+        if model is not None:
+            seen.update(training=model.training, weights={k: v.clone() for k, v in model.state_dict().items()})
         mine = s.reference_solution.replace("return", "return 2 *", 1)
         return [(s.prompt, [(mine, False), ("FAILED test_1: expected 6, got 12\n", False), (s.reference_solution, True)])]
 
     losses = warm_start(cfg, specs, tmp_path / "own", revisions=revisions, own_revisions=own, own_steps=3)
     assert len(losses) == 5 and seen["training"] is False
+    (first_mix, first_steps, first_seed), (mix, steps, seed) = calls
+    plain = sft_module.demonstrations(specs, cfg.sft_fraction, cfg.seed)
+    assert first_mix == plain + revisions and (first_steps, steps) == (2, 3) and seed != first_seed
+    assert mix == own_phase(plain, 1, own(None, None), cfg.seed) and revisions[0] not in mix
     warm_start(cfg, specs, tmp_path / "first", revisions=revisions)
     first, _ = load_policy(tmp_path / "first")
     trained, _ = load_policy(tmp_path / "own")
