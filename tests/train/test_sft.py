@@ -97,7 +97,8 @@ def test_micro_batches_give_the_whole_batch_step():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_warm_start_mixes_revision_demos_in(tmp_path):
+def _warm_start_setup():
+    """20 python_functions tasks, the first one's wrong answer and its revision demo, a tiny model's config."""
     fam = get_family("python_functions")
     specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
     s = specs[0]
@@ -105,6 +106,11 @@ def test_warm_start_mixes_revision_demos_in(tmp_path):
     revisions = [(s.prompt, [(wrong, False), ("FAILED test_0: expected 3, got 4\n", False), (s.reference_solution, True)])]
     cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=256, max_seq_len=256, sft_steps=2,
                       sft_batch=4)
+    return specs, s, wrong, revisions, cfg
+
+
+def test_warm_start_mixes_revision_demos_in(tmp_path):
+    specs, s, wrong, revisions, cfg = _warm_start_setup()
     losses = warm_start(cfg, specs, tmp_path, revisions=revisions)
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
     model, tok = load_policy(tmp_path)
@@ -127,13 +133,7 @@ def test_warm_start_then_trains_on_revision_demos_from_its_own_answers(tmp_path,
         return sft(model, tok, examples, steps, *args, **kwargs)
 
     monkeypatch.setattr(sft_module, "sft", recording)
-    fam = get_family("python_functions")
-    specs = [fam.generate(fam.config(), 0, i, 1 + i % 3, "train") for i in range(20)]
-    s = specs[0]
-    wrong = s.reference_solution.replace("return", "return 1 +", 1)
-    revisions = [(s.prompt, [(wrong, False), ("FAILED test_0: expected 3, got 4\n", False), (s.reference_solution, True)])]
-    cfg = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, vocab_size=256, max_seq_len=256, sft_steps=2,
-                      sft_batch=4)
+    specs, s, wrong, revisions, cfg = _warm_start_setup()
     seen = {}
 
     def own(model, tok):
