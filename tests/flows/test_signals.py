@@ -29,10 +29,10 @@ TINY = {
 }
 
 
-def _ratchet_run(tmp_path: Path, store: str, name: str) -> subprocess.Popen:
+def _ratchet_run(tmp_path: Path, store: str, name: str, steps: int = TINY["steps"]) -> subprocess.Popen:
     """`ratchet run` in a subprocess; its output goes to files (a full pipe would block it)."""
     config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(TINY))
+    config.write_text(json.dumps({**TINY, "steps": steps}))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)   # its own ephemeral server, as a user's `ratchet run`
     return subprocess.Popen([sys.executable, "-m", "ratchet.cli", "run", "--config", str(config), "--run-id", "sig",
@@ -44,9 +44,9 @@ def _output(tmp_path: Path, name: str) -> tuple[str, str]:
     return (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
 
 
-def _run_until(tmp_path: Path, store_uri: str, name: str, step: int) -> subprocess.Popen:
+def _run_until(tmp_path: Path, store_uri: str, name: str, step: int, steps: int = TINY["steps"]) -> subprocess.Popen:
     """`ratchet run` in a subprocess, returned once wave `step` is recorded."""
-    proc = _ratchet_run(tmp_path, store_uri, name)
+    proc = _ratchet_run(tmp_path, store_uri, name, steps)
     store, deadline = open_store(store_uri), time.monotonic() + 300
     while not store.exists(f"runs/sig/waves/{step:06d}/stats.json"):
         assert proc.poll() is None, _output(tmp_path, name)[1][-3000:]
@@ -149,7 +149,9 @@ def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
     """The ephemeral API server killed mid-run: the run goes on (a watchdog starts the API again
     on its port) and prints its result line."""
     store_uri = str(tmp_path / "store")
-    proc = _run_until(tmp_path, store_uri, "api-killed", step=0)
+    # 20 waves of about a second: the kill lands mid-run even when this process is slow to see wave 0
+    # (with 6, a loaded machine saw it after the flow had finished: CI, 2026-12-06)
+    proc = _run_until(tmp_path, store_uri, "api-killed", step=0, steps=20)
     servers = [p for p in _descendants(proc.pid) if "uvicorn" in _cmdline(p)]
     assert len(servers) == 1, [(p, _cmdline(p)) for p in _descendants(proc.pid)]
     os.kill(servers[0], signal.SIGKILL)
@@ -157,12 +159,13 @@ def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
     out, err = _output(tmp_path, "api-killed")
     assert proc.returncode == 0, err[-3000:]
     assert "ephemeral Prefect API on port" in err and "died" in err
+    assert err.index("died") < err.index("wave 20/20"), "the API was killed after the last wave: not mid-run"
     # the restarted API outlives the flow (it was started by the watchdog thread, and PDEATHSIG follows
     # the forking thread): the events queued at exit are delivered, not retried against a dead port
     after_flow = err.rsplit("Finished in state Completed()", 1)[-1]   # the flow run's, the last to finish
     assert "Unable to connect" not in after_flow, after_flow[:2000]
     summary = json.loads(out.strip().splitlines()[-1])
-    assert summary["run_id"] == "sig" and summary["steps"] == 6
+    assert summary["run_id"] == "sig" and summary["steps"] == 20
 
 
 def test_a_stop_signal_that_a_library_converts_still_ends_the_attempt_interrupted(monkeypatch):
@@ -199,7 +202,7 @@ def test_a_stop_signal_that_another_handler_took_and_a_library_converted_still_c
             try:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(1)                         # the handler runs at the next bytecode
-            except Termination as e:
+            except Termination:
                 raise TypeError("not a Polars data type") from None      # a library's conversion
         except TypeError as converted:
             assert run.outcome(converted) == "interrupted: SIGTERM" and run.stop_signal() == signal.SIGTERM
