@@ -1,5 +1,6 @@
-"""A free loopback port, for a process ratchet starts that listens on one (a vLLM server, a
-DeepSpeed rendezvous) and for tests that start servers.
+"""A free loopback port, for a process ratchet starts that listens on one (a vLLM server, the GPU
+check's DeepSpeed rendezvous) and for tests that start servers. A one-process DeepSpeed group needs
+none (`ratchet.train.deepspeed_trainer.init_distributed`: an in-memory store).
 
     port = free_port()        # bound and released here; the caller's process binds it next
 
