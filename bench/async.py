@@ -44,10 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-
-import torch  # noqa: E402
+import torch
 
 
 def config(store: str, run_id: str, args, seed: int = 0, **rollout):
@@ -109,6 +106,10 @@ def pass_gap(sync: list[dict], asyn: list[dict]) -> dict:
 
 
 def main() -> None:
+    # before Prefect is imported (here and in the spawned runs, which inherit it); set here, not at
+    # import, so that importing this module (tests do) leaves the importer's environment alone
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=10, help="waves per run")
     p.add_argument("--prompts", type=int, default=32, help="prompts per wave")

@@ -60,9 +60,6 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-
 
 BUDGET = 900_000   # sampled tokens per run: about make run's 90 waves of 64 prompts x 8, single-turn
 
@@ -201,6 +198,10 @@ def train_in_child(store: str, run_id: str, args, seed: int, turns: int, model_p
 
 
 def main() -> None:
+    # before Prefect is imported (here and in the spawned runs, which inherit it); set here, not at
+    # import, so that importing this module (tests do) leaves the importer's environment alone
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each pair of runs")
     p.add_argument("--budget", type=int, default=BUDGET, help="sampled tokens each run trains on (whole waves: it stops at the first wave that reaches it)")

@@ -33,7 +33,9 @@ def _ratchet_run(tmp_path: Path, store: str, name: str, steps: int = TINY["steps
     """`ratchet run` in a subprocess; its output goes to files (a full pipe would block it)."""
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({**TINY, "steps": steps}))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    # INFO, as a user's: the tests read the run's log lines (an earlier test may have quietened this process)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_LOGGING_LEVEL": "INFO"}
     env.pop("PREFECT_API_URL", None)   # its own ephemeral server, as a user's `ratchet run`
     return subprocess.Popen([sys.executable, "-m", "ratchet.cli", "run", "--config", str(config), "--run-id", "sig",
                              "--store", store], cwd=ROOT, env=env, stdout=open(tmp_path / f"{name}.out", "w"),
@@ -150,7 +152,6 @@ def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
     on its port) and prints its result line."""
     store_uri = str(tmp_path / "store")
     # 20 waves of about a second: the kill lands mid-run even when this process is slow to see wave 0
-    # (with 6, a loaded machine saw it after the flow had finished: CI, 2026-12-06)
     proc = _run_until(tmp_path, store_uri, "api-killed", step=0, steps=20)
     servers = [p for p in _descendants(proc.pid) if "uvicorn" in _cmdline(p)]
     assert len(servers) == 1, [(p, _cmdline(p)) for p in _descendants(proc.pid)]
