@@ -145,11 +145,12 @@ def warm_start(cfg: ModelConfig, specs, out_dir, log=None,
     for i, demo in enumerate(revisions):   # a malformed demo is named here, not as an sft example index
         demo_sequence(tokenizer, demo, where=f"revision demo {i}")
     model = build_model(cfg, tokenizer)
-    demos = demonstrations(specs, cfg.sft_fraction, cfg.seed) + revisions
+    plain = demonstrations(specs, cfg.sft_fraction, cfg.seed)
+    demos = plain + revisions
     losses = sft(model, tokenizer, demos, cfg.sft_steps, cfg.sft_batch, cfg.sft_lr, seed=cfg.seed, log=log)
     if own_revisions is not None and own_steps > 0:
         own = list(own_revisions(model, tokenizer))
-        mix = own_phase(demonstrations(specs, cfg.sft_fraction, cfg.seed), len(revisions), own, cfg.seed)
+        mix = own_phase(plain, len(revisions), own, cfg.seed)
         if log:
             log(f"own-mistake revision demos: {len(own)} (with {len(mix) - len(own)} demonstrations), {own_steps} steps")
         seed = cfg.seed + len(cfg.context_phases) + 1                      # not a context phase's
