@@ -78,9 +78,9 @@ def check_deepspeed_zero2(model_dir: Path) -> dict:
     from ratchet.config import RLConfig, TrainConfig
     from ratchet.model import load_policy
     from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
-    from ratchet.net import free_port
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    # No rendezvous variables set here: the trainer starts its one-process group as a run does
+    # (ratchet.train.deepspeed_trainer.init_distributed: an in-memory store, no port)
     model, tok = load_policy(model_dir)
     wave = tiny.wave(model, seed=0, n_groups=2, group_size=4)   # token ids < 259: inside any model's vocabulary
     before = {k: v.detach().float().clone() for k, v in model.named_parameters()}
