@@ -231,18 +231,21 @@ class _Conversations:
         waiting = torch.ones(len(self.length), dtype=torch.bool, device=live.device)
         waiting[live] = False
         rows = waiting.nonzero().squeeze(1)
-        kv = [(layer.keys[rows.to(layer.keys.device)], layer.values[rows.to(layer.values.device)])
-              for layer in self.cache.layers]                   # (a model split across devices: each layer's own)
-        parked = _Parked(live, rows, kv,
-                         self.attn[rows], self.length[rows], self.logits[rows])
-        self.keep(live)
+        kv = []
+        for layer in self.cache.layers:       # a layer at a time: its old buffers go before the next is copied
+            r, l = rows.to(layer.keys.device), live.to(layer.keys.device)   # (a model split across devices)
+            kv.append((layer.keys[r], layer.values[r]))
+            layer.batch_select_indices(l)
+        parked = _Parked(live, rows, kv, self.attn[rows], self.length[rows], self.logits[rows])
+        self.attn, self.length, self.logits = self.attn[live], self.length[live], self.logits[live]
         return parked
 
     def unpark(self, p: _Parked) -> None:
         """The rows `park` set aside come back, in the batch's order before it: the columns decoded
         while they waited hold zeros at attention 0, as a row that sat those steps out holds."""
         n, width = len(p.live) + len(p.rows), self.attn.shape[1]
-        for layer, (k, v) in zip(self.cache.layers, p.kv):
+        for i, layer in enumerate(self.cache.layers):
+            (k, v), p.kv[i] = p.kv[i], None                     # each parked copy freed once it is back
             filled = k.shape[-2]
             bufs = []
             for live_part, parked_part in ((layer.keys, k), (layer.values, v)):
@@ -263,7 +266,7 @@ class _Conversations:
 class _Parked:
     live: torch.Tensor                                   # rows (of the batch before `park`) that went on
     rows: torch.Tensor                                   # rows set aside, and their state:
-    kv: list[tuple[torch.Tensor, torch.Tensor]]          # per layer, keys and values [p, H, L, D]
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]   # per layer, keys and values [p, H, L, D] (None once back)
     attn: torch.Tensor
     length: torch.Tensor
     logits: torch.Tensor
