@@ -222,7 +222,8 @@ def main() -> None:
     p.add_argument("--overlong-buffer", type=int, default=0,
                    help="reward.overlong_buffer of both runs: DAPO's soft overlong punishment, in tokens (0: off)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
-    p.add_argument("--revision-demos", type=float, default=0.5, help="agent.revision_demos of the shared warm start")
+    p.add_argument("--revision-demos", type=float, default=0.5,
+                   help="agent.revision_demos of the shared warm start (0: none, and no own-mistake steps either)")
     p.add_argument("--own-revision-steps", type=int, default=100,
                    help="agent.own_revision_steps of the shared warm start: SFT steps on revision demos from its own mistakes "
                         "(0: the mutant demos alone, the bench's default before 2026-12-06)")
@@ -234,6 +235,8 @@ def main() -> None:
     p.add_argument("--eval-tasks", type=int, default=300, help="held-out tasks evaluated")
     p.add_argument("--train-tasks", type=int, default=3000, help="training tasks produced (and audited)")
     args = p.parse_args()
+    if not args.revision_demos:
+        args.own_revision_steps = 0      # own-mistake demos are revision demos: none without them (AgentConfig)
 
     from prefect.logging import disable_run_logger
     from prefect.testing.utilities import prefect_test_harness

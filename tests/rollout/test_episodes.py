@@ -116,7 +116,7 @@ def test_rows_parked_aside_come_back_as_if_they_had_sat_the_steps_out():
     torch.testing.assert_close(conv.logits[0], _full_logits(model, seqs[3])[-1], atol=1e-4, rtol=1e-4)
     assert all(layer._k.shape[0] == 1 for layer in conv.cache.layers)   # the cache holds the live row alone
     conv.unpark(inner), conv.unpark(outer)
-    assert inner.kv == outer.kv == [None] * len(conv.cache.layers)     # no parked copy outlives its return
+    assert all(kv is None for kv in inner.kv + outer.kv)                # no parked copy outlives its return
     assert conv.length.tolist() == [len(s) for s in seqs] and conv.attn.shape == (4, len(prompts[1]) + 4)
     chunks = [[13, 14], [15], [16, 17, 18], [19]]
     conv.extend(chunks)
