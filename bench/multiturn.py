@@ -9,7 +9,7 @@
     python -m bench.multiturn --overlong-buffer 12  # an answer within 12 tokens of the 48-token cap loses up to 1 (DAPO)
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
     python -m bench.multiturn --own-revision-steps 0     # the warm start without its 100 SFT steps on its own mistakes (before 2026-12-06)
-    python -m bench.multiturn --seeds 0 1 2 3       # ~85 min (96 before micro-batches were cut for the least padding)
+    python -m bench.multiturn --seeds 0 1 2 3       # ~65 min alone, ~85 beside a CI run (2026-12-07)
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
