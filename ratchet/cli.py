@@ -104,7 +104,7 @@ def run(
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
     from flows.nightly import nightly
-    from ratchet.run import Interrupted, note_stop_signals, request_stop, stop_signal
+    from ratchet.run import note_stop_signals, request_stop, stopped_by
 
     handlers = {sig: signal.signal(sig, lambda signum, _frame: request_stop(signum))
                 for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -119,12 +119,10 @@ def run(
 
     try:
         summary = nightly(cfg)
-    except Interrupted as e:
-        interrupted(e.signum)
-    except Exception as e:   # the flow has logged the traceback; the last line says what failed
-        if (signum := stop_signal()) is not None:   # our Interrupted, converted by a library it was raised in
+    except BaseException as e:   # the flow has logged the traceback; the last line says what ended it
+        if (signum := stopped_by(e)) is not None:
             interrupted(signum)
-        if os.environ.get("RATCHET_DEBUG"):
+        if not isinstance(e, Exception) or os.environ.get("RATCHET_DEBUG"):
             raise
         _quiet_prefect_exit()
         first = (str(e).strip().splitlines() or [""])[0]

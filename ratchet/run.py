@@ -71,11 +71,17 @@ def stop_signal() -> int | None:
     return _stop_signals[0] if _stop_signals else None
 
 
+def stopped_by(exc: BaseException) -> int | None:
+    """The stop signal that ended a run which raised `exc`, or None: `Interrupted`'s, or the one noted
+    (`stop_signal`) when a library converted the exception raised in its code on its way up, into an
+    Exception (polars: a TypeError, a SchemaError) or not (polars' Rust side: pyo3's PanicException,
+    a BaseException, when the handler raised inside a callback; CI, 2026-12-07)."""
+    return exc.signum if isinstance(exc, Interrupted) else stop_signal()
+
+
 def outcome(exc: BaseException) -> str:
     """One line saying how an attempt ended."""
-    if isinstance(exc, Interrupted):
-        return f"interrupted: {exc.args[0]}"
-    if (signum := stop_signal()) is not None:   # the Interrupted raised by request_stop, converted on its way up
+    if (signum := stopped_by(exc)) is not None:
         return f"interrupted: {signal.Signals(signum).name}"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted: SIGINT"

@@ -211,3 +211,33 @@ def test_a_stop_signal_that_another_handler_took_and_a_library_converted_still_c
         signal.signal(signal.SIGTERM, before)
         os.close(signal.set_wakeup_fd(-1))
         os.close(run._wakeup)
+
+
+CONVERTED_TO_A_PANIC = """
+import os, signal, sys, time
+import flows.nightly
+from polars.exceptions import PanicException
+from ratchet.cli import app
+
+def nightly(cfg):   # the signal lands inside polars' Rust code, which turns the raised exception into a panic
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    except BaseException:
+        raise PanicException("called `Result::unwrap()` on an `Err` value") from None
+
+flows.nightly.nightly = nightly
+app(["run", "--run-id", "panic", "--store", sys.argv[1]])
+"""
+
+
+def test_a_stop_signal_that_polars_turned_into_a_panic_still_exits_as_interrupted(tmp_path):
+    """CI, 2026-12-07: SIGTERM mid-run, and Prefect's TerminationSignal, raised in a Python callback of
+    polars' Rust side, came out as pyo3's PanicException, a BaseException that `ratchet run` let
+    through: exit 1 and a panic's traceback, not 143 and the line saying how to resume."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    proc = subprocess.run([sys.executable, "-c", CONVERTED_TO_A_PANIC, str(tmp_path / "store")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("ratchet run: run panic interrupted by SIGTERM; "
+                                                    "resume with: ratchet run --run-id panic")
