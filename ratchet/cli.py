@@ -213,7 +213,13 @@ def _ephemeral_api_dies_with_us() -> None:
 def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
     """A watchdog thread: an ephemeral API that dies mid-run is started again on its port (its
     database is a file, so the run's state survives) instead of leaving the run's API calls to
-    retry for minutes. Without an ephemeral API (PREFECT_API_URL set) it watches nothing."""
+    retry for minutes. Without an ephemeral API (PREFECT_API_URL set) it watches nothing.
+
+    Only a server it has seen serving (alive, its port listening) and whose port nobody serves any
+    more: one that fails while starting is Prefect's own start-up to retry (it starts another on a
+    new port; seen when three `ratchet run`s migrated one fresh database at once), and a restart
+    onto a port that still answers fails to bind and, answered all the same, would be retried for
+    ever (the same three runs: a uvicorn started every ~20 s for the whole run)."""
     import logging
 
     from prefect.server.api.server import SubprocessASGIServer
@@ -223,11 +229,19 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
     stopped = threading.Event()
 
     def watch() -> None:
+        served: set[int] = set()      # the pids seen serving
         while not stopped.wait(every_s):
             for server in list(SubprocessASGIServer._instances.values()):
                 proc = server.server_process
-                if proc is None or proc.poll() is None:
+                if proc is None or server.port is None:
                     continue
+                if proc.poll() is None:
+                    if _listening(server.port):
+                        served.add(proc.pid)
+                    continue
+                if proc.pid not in served or _listening(server.port):
+                    continue
+                served.discard(proc.pid)
                 log.warning("the ephemeral Prefect API on port %s died (exit %s); starting it again",
                             server.port, proc.returncode)
                 server.server_process, server.running = None, False
@@ -242,6 +256,20 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
 
     threading.Thread(target=watch, name="ephemeral-api-watchdog", daemon=True).start()
     return stopped      # set it to stop watching
+
+
+def _listening(port: int) -> bool:
+    """Whether a process listens on loopback `port`: with SO_REUSEADDR a bind fails then, and not for
+    the connections a closed server leaves in TIME_WAIT."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def _exit_now(code: int) -> None:

@@ -169,6 +169,77 @@ def test_a_dead_prefect_api_is_restarted_and_the_run_completes(tmp_path):
     assert summary["run_id"] == "sig" and summary["steps"] == 20
 
 
+class _Server:
+    """What the watchdog reads of Prefect's SubprocessASGIServer, over a real process and a real port."""
+
+    def __init__(self, proc: subprocess.Popen, port: int):
+        self.server_process, self.port, self.running, self.starts = proc, port, True, 0
+
+    def start(self):
+        self.starts += 1
+        self.server_process, self.running = _sleeper(), True
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+
+
+def _until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_the_api_watchdog_restarts_only_a_server_that_served_and_whose_port_went_quiet(monkeypatch, caplog):
+    """Three `ratchet run`s migrating one fresh Prefect database at once (2026-12-07): one API died
+    while starting, Prefect started another on a new port, and the watchdog, seeing the dead one,
+    started a third onto that port every ~20 s for the whole run (each failed to bind; the port
+    answered all the same). A server is restarted once it has served and nobody serves its port."""
+    import socket
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from ratchet.cli import _restart_ephemeral_api_if_it_dies
+    from ratchet.net import free_port
+
+    def listener(port: int) -> socket.socket:
+        s = socket.socket()
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        return s
+
+    # served, then died, its port quiet: restarted, once
+    served = _Server(_sleeper(), free_port())
+    port_of_served = listener(served.port)
+    # died while starting (never listened): Prefect's start-up retries it, not the watchdog
+    never_served = _Server(subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]), free_port())
+    # served, then died while its port still answers (another server took it): nothing to restart
+    replaced = _Server(_sleeper(), free_port())
+    port_of_replaced = listener(replaced.port)
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {1: served, 2: never_served, 3: replaced})
+    caplog.set_level("WARNING", logger="ratchet.cli")
+    stop = _restart_ephemeral_api_if_it_dies(every_s=0.05)
+    first = []
+    try:
+        time.sleep(0.3)                                  # the watchdog sees both servers serving
+        first = [served.server_process, replaced.server_process]
+        for proc in first:
+            proc.kill()
+            proc.wait()
+        port_of_served.close()
+        _until(lambda: served.starts == 1)
+        time.sleep(0.5)                                  # ten more rounds: nothing more happens
+    finally:
+        stop.set()
+        port_of_replaced.close()
+        for proc in [*first, served.server_process, replaced.server_process]:
+            proc.kill()
+    assert (served.starts, never_served.starts, replaced.starts) == (1, 0, 0)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the ephemeral Prefect API on port {served.port} died (exit -9); starting it again"]
+
+
 def test_a_stop_signal_that_a_library_converts_still_ends_the_attempt_interrupted(monkeypatch):
     """A signal's Interrupted raised inside polars came out as a TypeError (CI, 2026-12-04): the attempt
     is still "interrupted", and `ratchet run` exits as interrupted (the test above)."""
