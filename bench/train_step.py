@@ -109,7 +109,8 @@ def ratchet_side(model, tokenizer, tasks, reward, args):
     from ratchet.config import RLConfig, TrainConfig
     from ratchet.rl import compute_advantages
     from ratchet.rollout.torch_engine import TorchEngine
-    from ratchet.train.torch_trainer import TorchTrainer, TrainSample
+    from ratchet.train.batching import TrainSample
+    from ratchet.train.torch_trainer import TorchTrainer
 
     engine = TorchEngine(model, tokenizer)
     trainer = TorchTrainer(
