@@ -173,7 +173,16 @@ class _Server:
     """What the watchdog reads of Prefect's SubprocessASGIServer, over a real process and a real port."""
 
     def __init__(self, proc: subprocess.Popen, port: int):
-        self.server_process, self.port, self.running, self.starts = proc, port, True, 0
+        self._proc, self.port, self.running, self.starts, self.looks = proc, port, True, 0, 0
+
+    @property
+    def server_process(self) -> subprocess.Popen:
+        self.looks += 1               # once per round of the watchdog
+        return self._proc
+
+    @server_process.setter
+    def server_process(self, proc: subprocess.Popen | None) -> None:
+        self._proc = proc
 
     def start(self):
         self.starts += 1
@@ -222,18 +231,19 @@ def test_the_api_watchdog_restarts_only_a_server_that_served_and_whose_port_went
     stop = _restart_ephemeral_api_if_it_dies(every_s=0.05)
     first = []
     try:
-        time.sleep(0.3)                                  # the watchdog sees both servers serving
-        first = [served.server_process, replaced.server_process]
+        _until(lambda: min(served.looks, replaced.looks) >= 3)   # the watchdog has seen both serving
+        first = [served._proc, replaced._proc]
         for proc in first:
             proc.kill()
             proc.wait()
         port_of_served.close()
         _until(lambda: served.starts == 1)
-        time.sleep(0.5)                                  # ten more rounds: nothing more happens
+        looks = never_served.looks
+        _until(lambda: never_served.looks >= looks + 10)   # ten more rounds: nothing more happens
     finally:
         stop.set()
         port_of_replaced.close()
-        for proc in [*first, served.server_process, replaced.server_process]:
+        for proc in [*first, served._proc, replaced._proc]:
             proc.kill()
     assert (served.starts, never_served.starts, replaced.starts) == (1, 0, 0)
     assert [r.getMessage() for r in caplog.records] == [
