@@ -50,9 +50,16 @@ def set_aside_evaluations(store, run_id: str, resumed_at: int) -> list[str]:
 def protocol(cfg: NightlyConfig) -> dict:
     """What an evaluation's figures depend on besides the weights and the tasks: two records are
     compared (promotion, the vertical table) only under one protocol."""
-    return {"n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
-            "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
-            "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass}
+    return _as_judged({"n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
+                       "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
+                       "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass})
+
+
+def _as_judged(p: dict) -> dict:
+    """One sample per task is greedy: its figures depend on neither the temperature nor the seed,
+    so both read None (a resumed run that changed them reuses its records; one kept with them
+    before this rule reads the same)."""
+    return {**p, "temperature": None, "seed": None} if p.get("samples") == 1 else p
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -67,7 +74,7 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     now = protocol(cfg)
     if store.exists(f"{key}.json"):
         kept = store.get_json(f"{key}.json")
-        was = kept.get("protocol", now)          # records from before protocols were kept: as now
+        was = _as_judged(kept.get("protocol", now))   # records from before protocols were kept: as now
         changed = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
         if changed:
             raise ValueError(f"run {policy.run_id}: policy v{policy.version} was evaluated with "
@@ -98,7 +105,7 @@ def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: Nigh
     if store.exists(key):
         kept = store.get_json(key)
         if (now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None)
-                and kept.get("protocol") == judged_under):
+                and kept.get("protocol") is not None and _as_judged(kept["protocol"]) == judged_under):
             return kept["result"]
     result = None
     if pointer is not None:

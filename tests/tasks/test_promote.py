@@ -96,9 +96,35 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
     base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
     assert evaluate.fn(base, [], cfg) == kept                                   # the same settings: reused
     other = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples": 4})})
-    with pytest.raises(ValueError, match=r"^run r: policy v0 was evaluated with samples 1; this attempt has "
-                                         r"samples 4: resume with the run's own settings"):
+    with pytest.raises(ValueError, match=r"^run r: policy v0 was evaluated with samples 1, temperature None, seed None; "
+                                         r"this attempt has samples 4, temperature 1.0, seed 0: resume with the run's own settings"):
         evaluate.fn(base, [], other)
+
+
+def test_a_greedy_evaluation_is_reused_under_another_temperature_or_seed_and_a_sampled_one_is_not(tmp_path):
+    """eval.samples 1 is greedy: neither eval.temperature nor train.seed changes its figures, so a
+    resumed run that changed them reuses its kept record (one kept when the protocol still named
+    them included); with samples 4 both change the figures, and the resumed run refuses."""
+    import pytest
+
+    from tasks.evaluate import evaluate, protocol
+
+    def cfg_with(samples, temperature, seed):
+        return NightlyConfig(store=StoreConfig(uri=str(tmp_path)), eval={"samples": samples, "temperature": temperature},
+                             train={"seed": seed})
+
+    store = open_store(StoreConfig(uri=str(tmp_path)))
+    base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
+    before_the_rule = {**protocol(cfg_with(1, 1.0, 0)), "temperature": 1.0, "seed": 0}
+    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": before_the_rule})
+    assert protocol(cfg_with(1, 0.7, 3)) == protocol(cfg_with(1, 1.0, 0))
+    assert evaluate.fn(base, [], cfg_with(1, 0.7, 3))["pass_rate"] == 0.5          # reused, not evaluated again
+    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg_with(4, 1.0, 0))})
+    assert evaluate.fn(base, [], cfg_with(4, 1.0, 0))["pass_rate"] == 0.5
+    with pytest.raises(ValueError, match=r"evaluated with temperature 1.0; this attempt has temperature 0.7"):
+        evaluate.fn(base, [], cfg_with(4, 0.7, 0))
+    with pytest.raises(ValueError, match=r"evaluated with seed 0; this attempt has seed 3"):
+        evaluate.fn(base, [], cfg_with(4, 1.0, 3))
 
 
 def test_a_resumed_run_sets_aside_the_evaluations_of_versions_it_trains_again(tmp_path):
