@@ -236,7 +236,7 @@ def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:
                 if proc is None or server.port is None:
                     continue
                 if proc.poll() is None:
-                    if _listening(server.port):
+                    if proc.pid not in served and _listening(server.port):
                         served.add(proc.pid)
                     continue
                 if proc.pid not in served or _listening(server.port):
