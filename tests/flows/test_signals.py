@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ratchet.store import open_store
+from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = {
@@ -193,13 +194,6 @@ def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 
 
-def _until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_the_api_watchdog_restarts_only_a_server_that_served_and_whose_port_went_quiet(monkeypatch, caplog):
     """Three `ratchet run`s migrating one fresh Prefect database at once (2026-12-07): one API died
     while starting, Prefect started another on a new port, and the watchdog, seeing the dead one,
@@ -231,15 +225,15 @@ def test_the_api_watchdog_restarts_only_a_server_that_served_and_whose_port_went
     stop = _restart_ephemeral_api_if_it_dies(every_s=0.05)
     first = []
     try:
-        _until(lambda: min(served.looks, replaced.looks) >= 3)   # the watchdog has seen both serving
+        until(lambda: min(served.looks, replaced.looks) >= 3, timeout=10, what="the watchdog to see both serving")
         first = [served._proc, replaced._proc]
         for proc in first:
             proc.kill()
             proc.wait()
         port_of_served.close()
-        _until(lambda: served.starts == 1)
+        until(lambda: served.starts == 1, timeout=10, what="the served server's restart")
         looks = never_served.looks
-        _until(lambda: never_served.looks >= looks + 10)   # ten more rounds: nothing more happens
+        until(lambda: never_served.looks >= looks + 10, timeout=10, what="ten more rounds")   # in which nothing more happens
     finally:
         stop.set()
         port_of_replaced.close()

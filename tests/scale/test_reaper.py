@@ -15,6 +15,7 @@ import pytest
 
 from ratchet.sandbox import available_backends, lease
 from ratchet.scale import LocalExecutor
+from tests.waiting import until
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = [b for b, why in available_backends().items() if why is None]
@@ -31,16 +32,6 @@ def leases(tmp_path, monkeypatch):
     d = tmp_path / "leases"
     monkeypatch.setenv("RATCHET_SANDBOX_LEASES", str(d))
     return d
-
-
-def _until(cond, timeout: float = 20.0, what: str = "condition"):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _children(pid: int) -> list[int]:
@@ -67,7 +58,7 @@ def test_a_killed_worker_leaves_no_sandbox_process_and_is_counted_orphaned(tmp_p
                               env={**os.environ, "RATCHET_SANDBOX_LEASES": str(leases)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        rec = _until(lambda: _one_lease(leases), what="the run's lease")
+        rec = until(lambda: _one_lease(leases), what="the run's lease")
         assert rec["owner"] == worker.pid and lease.alive(rec["pid"], rec["start"])
         helpers = [c for c in _children(worker.pid) if c != rec["pid"]] if backend == "zygote" else []
         before = lease.counts()
@@ -79,9 +70,9 @@ def test_a_killed_worker_leaves_no_sandbox_process_and_is_counted_orphaned(tmp_p
             time.sleep(0.5)
             assert lease.alive(rec["pid"], rec["start"]), "the orphaned run should still be running here"
         else:   # the run dies with its worker (PR_SET_PDEATHSIG; bwrap also --die-with-parent), before any reaper
-            _until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=10, what="the run to die with its worker")
+            until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=10, what="the run to die with its worker")
         found = lease.reap(str(leases))
-        _until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=5, what="the run's process to be gone")
+        until(lambda: not lease.alive(rec["pid"], rec["start"]), timeout=5, what="the run's process to be gone")
         # zygote: the run outlived its worker and zygote, the reaper killed it; subprocess/bwrap: the reaper
         # only counts the orphaned lease
         assert found == {"reaped": 1 if backend == "zygote" else 0, "orphaned": 1}
