@@ -10,6 +10,7 @@
     python -m bench.multiturn --warm-seed 1         # another warm start (model.seed): both runs of every seed start from it
     python -m bench.multiturn --own-revision-steps 0     # the warm start without its 100 SFT steps on its own mistakes (before 2026-12-06)
     python -m bench.multiturn --seeds 0 1 2 3       # ~65 min alone, ~85 beside a CI run (2026-12-07)
+    python -m bench.multiturn --budget 1800000 --eval-at 900000   # twice the budget, both runs also evaluated halfway
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -137,6 +138,11 @@ def planned_waves(step: int, sampled: int, budget: int) -> int:
     return step + max(1, math.ceil((budget - sampled) * step / sampled))
 
 
+def eval_marks(args) -> list[int]:
+    """The sampled-token marks at which a run is evaluated on the way (--eval-at), in order; the budget's end is not one."""
+    return sorted(m for m in args.eval_at if m < args.budget)
+
+
 def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str, train_refs, heldout) -> dict:
     """Waves of the nightly's stages until `args.budget` sampled tokens; then the held-out evaluation in
     K-turn mode (`--turns`), whatever the run trained with."""
@@ -146,8 +152,10 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
     from tasks.train import bootstrap_policy, checkpoint_policy, train_epoch
 
     cfg = config(str(store), run_id, args, seed, turns, model_path)   # steps: planned_waves, per wave
+    judged = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})})  # evaluated K-turn
     policy = bootstrap_policy.fn(run_id, cfg, train_refs)
-    sampled, step, t0, rewards = 0, 0, time.perf_counter(), []
+    sampled, step, t0, rewards, at = 0, 0, time.perf_counter(), [], []
+    marks = eval_marks(args)
     while sampled < args.budget:
         clock = cfg.model_copy(update={"steps": planned_waves(step, sampled, args.budget)})
         wave, rollout_stats = rollout_wave.fn(policy, step, train_refs, clock)
@@ -156,12 +164,17 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
         sampled += rollout_stats["sampled_tokens"]
         rewards.append(wave_stats["reward_mean"])
         step += 1
+        while marks and sampled >= marks[0]:            # a held-out evaluation on the way (--eval-at), as a nightly's
+            policy = checkpoint_policy.fn(policy, cfg)  # checkpoint_every does
+            marks.pop(0)
+            e0 = time.perf_counter()
+            at.append({"waves": step, "sampled_tokens": sampled, **held_out(policy, heldout, judged)})
+            t0 += time.perf_counter() - e0                  # train_s is training alone
     wall = time.perf_counter() - t0
     note(f"{run_id}: {step} waves, {sampled} sampled tokens", t0)
     policy = checkpoint_policy.fn(policy, cfg)
-    final = held_out(policy, heldout, cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})}))
-    return {**final, "waves": step, "sampled_tokens": sampled, "train_s": round(wall, 1),
-            "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4)}
+    return {**held_out(policy, heldout, judged), "waves": step, "sampled_tokens": sampled, "train_s": round(wall, 1),
+            "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4), "at": at}
 
 
 def paired(multi: dict, single: dict) -> dict:
@@ -209,6 +222,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="train.seed of each pair of runs")
     p.add_argument("--budget", type=int, default=BUDGET, help="sampled tokens each run trains on (whole waves: it stops at the first wave that reaches it)")
+    p.add_argument("--eval-at", type=int, nargs="*", default=[],
+                   help="sampled-token marks below --budget at which both runs are also evaluated (at the first wave that "
+                        "reaches each), so that one invocation gives the gain along the budget: `at` of each seed's line")
     p.add_argument("--prompts", type=int, default=64, help="prompts per wave")
     p.add_argument("--group", type=int, default=8, help="samples (episodes) per prompt")
     p.add_argument("--turns", type=int, default=3, help="K: answers per episode of the multi-turn run and the evaluation")
@@ -262,8 +278,11 @@ def main() -> None:
                     multi_passed, single_passed = multi.pop("passed"), single.pop("passed")
                     pooled_multi |= {(seed, t): v for t, v in multi_passed.items()}
                     pooled_single |= {(seed, t): v for t, v in single_passed.items()}
+                    on_the_way = [{"mark": mark, "gain_last": paired(m.pop("passed"), s.pop("passed")),
+                                   "single_turn": s, "multi_turn": m}
+                                  for mark, m, s in zip(eval_marks(args), multi.pop("at"), single.pop("at"))]
                     per_seed.append({"seed": seed, "single_turn": single, "multi_turn": multi,
-                                     "gain_last": paired(multi_passed, single_passed)})
+                                     "gain_last": paired(multi_passed, single_passed), "at": on_the_way})
                     print(json.dumps(per_seed[-1]), flush=True)
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)  # a failed run: the queued ones do not start
@@ -279,10 +298,13 @@ def main() -> None:
         return out
 
     gains = [r["gain_last"]["estimate"] for r in per_seed]
+    gains_at = {str(mark): round(statistics.fmean(r["at"][i]["gain_last"]["estimate"] for r in per_seed), 4)
+                for i, mark in enumerate(eval_marks(args))}
     print(json.dumps({"warm_start": {k: None if v is None else round(v, 4) for k, v in warm.items()}, "single_turn": summary("single_turn"), "multi_turn": summary("multi_turn"),
                       "gain_last": round(statistics.fmean(gains), 4), "gain_last_per_seed": [round(g, 4) for g in gains],
                       "gain_last_spread": [round(min(gains), 4), round(max(gains), 4)],
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
+                      "gain_last_at": gains_at,
                       "seeds": args.seeds,
                       "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "own_revision_steps": args.own_revision_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
