@@ -36,6 +36,7 @@ import pytest
 import yaml
 
 from ratchet.net import free_port
+from tests.waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -143,16 +144,14 @@ def stack(tmp_path, s3_env):
                      PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false")   # no schedule may fire here
     try:
         server = procs.start("server", [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env)
-        deadline = time.monotonic() + 180
-        while True:
+        def healthy() -> bool:
             assert server.poll() is None, f"prefect server exited:\n{procs.tail('server')}"
             try:
-                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
-                    break
+                return httpx.get(f"{api}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, f"no /api/health in 180 s:\n{procs.tail('server')}"
-            time.sleep(0.5)
+                return False
+
+        until(healthy, timeout=180, every=0.5, what=lambda: f"/api/health:\n{procs.tail('server')}")
         _mark("server healthy")
 
         env = {**env, "PREFECT_API_URL": api}
@@ -199,13 +198,14 @@ def _run(api: str, deployment: str, parameters: dict, procs: Processes, timeout_
     run = _post(api, f"/deployments/{dep['id']}/create_flow_run", {
         "state": {"type": "SCHEDULED", "message": "Run from the Prefect UI"},
         "parameters": parameters, "enforce_parameter_schema": True})
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run = _request("GET", f"{api}/flow_runs/{run['id']}")
-        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-            break
-        assert time.monotonic() < deadline, f"{deployment} still {run['state']['type']} after {timeout_s} s"
-        time.sleep(2)
+    latest = [run]
+
+    def final() -> dict | None:
+        latest[0] = _request("GET", f"{api}/flow_runs/{run['id']}")
+        return latest[0] if latest[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    run = until(final, timeout=timeout_s, every=2,
+                what=lambda: f"{deployment} to end (still {latest[0]['state']['type']})")
     _mark(f"{deployment}: {run['state']['type']} (run time {run['total_run_time']:.1f} s)")
     if run["state"]["type"] != "COMPLETED":
         logs = _post(api, "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "sort": "TIMESTAMP_ASC"})
@@ -225,10 +225,8 @@ def test_deployments_on_a_real_server(stack, s3_env):
     assert kept["store"]["uri"].startswith("s3://") and kept["eval"]["min_gain"] > 0   # what must survive the override
 
     for pool in POOLS:   # every pool a deployment names has a worker polling it
-        deadline = time.monotonic() + 120
-        while not [w for w in _post(api, f"/work_pools/{pool}/workers/filter", {}) if w["status"] == "ONLINE"]:
-            assert time.monotonic() < deadline, f"no worker online for {pool}:\n{procs.tail(f'worker-{pool}')}"
-            time.sleep(1)
+        until(lambda: [w for w in _post(api, f"/work_pools/{pool}/workers/filter", {}) if w["status"] == "ONLINE"],
+              timeout=120, every=1, what=lambda: f"a worker online for {pool}:\n{procs.tail(f'worker-{pool}')}")
 
     _mark("a worker online for every pool")
     audit_run = _run(api, "audit-envs", {"envs": ENVS, "audit": AUDIT}, procs)

@@ -50,11 +50,13 @@ def _output(tmp_path: Path, name: str) -> tuple[str, str]:
 def _run_until(tmp_path: Path, store_uri: str, name: str, step: int, steps: int = TINY["steps"]) -> subprocess.Popen:
     """`ratchet run` in a subprocess, returned once wave `step` is recorded."""
     proc = _ratchet_run(tmp_path, store_uri, name, steps)
-    store, deadline = open_store(store_uri), time.monotonic() + 300
-    while not store.exists(f"runs/sig/waves/{step:06d}/stats.json"):
+    store = open_store(store_uri)
+
+    def wave_done() -> bool:
         assert proc.poll() is None, _output(tmp_path, name)[1][-3000:]
-        assert time.monotonic() < deadline, f"the run never finished wave {step}"
-        time.sleep(0.2)
+        return store.exists(f"runs/sig/waves/{step:06d}/stats.json")
+
+    until(wave_done, timeout=300, every=0.2, what=f"the run to finish wave {step}")
     return proc
 
 
@@ -120,11 +122,11 @@ def test_sigkill_leaves_no_process_behind_and_the_next_attempt_says_so(tmp_path)
     assert family, "the run has child processes (the API server, sandbox workers)"
     proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while [p for p in family if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = [(p, _cmdline(p)) for p in family if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
-    assert left == [], f"processes outlived the SIGKILLed run: {left}"
+    def living() -> list[int]:
+        return [p for p in family if Path(f"/proc/{p}").exists() and "zombie" not in _state(p)]
+
+    until(lambda: not living(), timeout=10, every=0.2,
+          what=lambda: f"the SIGKILLed run's processes to die; outlived it: {[(p, _cmdline(p)) for p in living()]}")
 
     proc = _ratchet_run(tmp_path, store_uri, "after-kill")
     proc.wait(timeout=600)

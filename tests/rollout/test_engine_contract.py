@@ -15,7 +15,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -29,6 +28,7 @@ from ratchet.rollout.client import EngineRequestError, HTTPEngine
 from ratchet.rollout.engine import RolloutEngine, first_stop
 from ratchet.rollout.torch_engine import TorchEngine
 from tests.train import tiny
+from tests.waiting import until
 
 PROMPTS = ["# add 3, then negate it\ndef f(x):\n", "# add 7\n", "def f(x):\n    x = x + 1\n"]   # lengths differ
 
@@ -94,16 +94,18 @@ def vllm_server(checkpoints):
     proc = subprocess.Popen([exe, "serve", str(checkpoints[0]), "--host", "127.0.0.1", "--port", str(port),
                              "--served-model-name", "tiny", "--dtype", "float32", "--seed", "0",
                              "--logprobs-mode", "processed_logprobs"])
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:   # an external process: its readiness can only be polled
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+            return True
+        except OSError:
+            assert proc.poll() is None, f"vllm serve exited with code {proc.returncode} before it came up"
+            return False
+
     try:
-        while True:   # an external process: its readiness can only be polled
-            try:
-                urllib.request.urlopen(url + "/health", timeout=5)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not come up (exit code {proc.poll()})")
-                time.sleep(1)
+        until(up, timeout=600, every=1, what="vllm serve's /health")
         yield url
     finally:
         proc.terminate()

@@ -1,5 +1,7 @@
 """Fixtures: one Sandbox per available backend (module-scoped), small limits so that every
 adversarial case ends in about a second."""
+import os
+
 import pytest
 
 from ratchet.sandbox import Limits, Sandbox
@@ -11,6 +13,18 @@ LIMITS = Limits(cpu_s=5.0, wall_s=20.0, memory_mb=256, max_procs=16, fsize_mb=4,
 TIGHT = Limits(cpu_s=1.0, wall_s=2.0, memory_mb=256, max_procs=16, fsize_mb=4, nofile=32, output_bytes=8192)
 BACKENDS = ["zygote", "bwrap", "subprocess"]
 ISOLATING = {"zygote", "bwrap"}   # backends with namespaces (the subprocess fallback has none)
+
+
+def processes_named(comm: str) -> list[str]:
+    """The pids of this machine's processes whose name (`/proc/PID/comm`, set by prctl PR_SET_NAME) is `comm`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and open(f"/proc/{pid}/comm").read().strip() == comm:
+                out.append(pid)
+        except OSError:
+            pass
+    return out
 
 
 def need_backend(name: str) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from ratchet.sandbox import Payload
-from tests.sandbox.conftest import LIMITS, TIGHT
+from tests.sandbox.conftest import LIMITS, TIGHT, processes_named
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -270,19 +271,7 @@ def test_daemon_left_behind(sb, tmp_path):
         print("parent done")
     """)
     assert "parent done" in r.stdout, r
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        left = []
-        for pid in os.listdir("/proc"):
-            try:
-                if pid.isdigit() and open(f"/proc/{pid}/comm").read().strip() == "ratchetdaemon":
-                    left.append(pid)
-            except OSError:
-                pass
-        if not left:
-            break
-        time.sleep(0.05)
-    assert not left, "a daemon outlived its run"
+    until(lambda: not processes_named("ratchetdaemon"), timeout=3, what="the daemon to die with its run")
 
 
 def test_previous_run_files_invisible(sb):

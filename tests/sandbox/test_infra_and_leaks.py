@@ -9,7 +9,8 @@ import time
 import pytest
 
 from ratchet.sandbox import Limits, Payload, Sandbox, doctor, run_many
-from tests.sandbox.conftest import BACKENDS, need_backend
+from tests.sandbox.conftest import BACKENDS, need_backend, processes_named
+from tests.waiting import until
 
 
 @pytest.mark.timeout(60)
@@ -36,22 +37,9 @@ def test_worker_death_is_an_infra_error():
                                 "time.sleep(30)"))
         killer.join()
         assert r.infra_error and "worker" in r.infra_error and r.exit_code is None, r
-        deadline = time.monotonic() + 3   # the orphaned run is ended by the caller, not left running
-        while time.monotonic() < deadline and _named("ratchetvictim"):
-            time.sleep(0.05)
-        assert not _named("ratchetvictim")
+        # the orphaned run is ended by the caller, not left running
+        until(lambda: not processes_named("ratchetvictim"), timeout=3, what="the orphaned run to end")
         assert sb.run(Payload(code="print('back')")).stdout == "back\n"   # a new worker is started
-
-
-def _named(comm: str) -> list[str]:
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and open(f"/proc/{pid}/comm").read().strip() == comm:
-                out.append(pid)
-        except OSError:
-            pass
-    return out
 
 
 def _descendants(root: int) -> set[int]:
@@ -99,11 +87,9 @@ def test_no_leaks_after_1000_runs(backend, monkeypatch):
     elapsed = time.monotonic() - t
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(n)]
     assert all(r.ok for r in results)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _snapshot()["procs"] - before["procs"]:
-        time.sleep(0.05)
+    until(lambda: not _snapshot()["procs"] - before["procs"], timeout=5,
+          what=lambda: f"the runs' processes to exit; left behind: {_snapshot()['procs'] - before['procs']}")
     after = _snapshot()
-    assert after["procs"] - before["procs"] == set(), "processes left behind"
     assert after["fds"] - before["fds"] == set(), "file descriptors left open"
     assert after["mounts"] == before["mounts"], "mounts left behind"
     assert os.listdir(tmp_path) == [], "temp dirs left behind"

@@ -5,7 +5,6 @@ The tiny flow with Ray verification and local training: tests/flows/test_scale_r
 from __future__ import annotations
 
 import ast
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ from envs.production import produce
 from ratchet.config import EnvsConfig, VerifyConfig
 from ratchet.scale import LocalExecutor, executor_for
 from ratchet.verify import verify_many
+from tests.waiting import until
 
 pytest.importorskip("ray")
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,10 +65,9 @@ def test_the_nodes_sandbox_resource_caps_concurrent_runs_across_flows(ray_cluste
     overlap = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
     assert 1 <= overlap <= 4, spans
     assert ray.cluster_resources()[RESOURCE] == 4
-    end = time.monotonic() + 10                               # the resource view is refreshed every ~0.1-1 s
-    while ray.available_resources().get(RESOURCE) != 4 and time.monotonic() < end:
-        time.sleep(0.1)
-    assert ray.available_resources().get(RESOURCE) == 4      # every chunk gave its slots back
+    # every chunk gave its slots back (the resource view is refreshed every ~0.1-1 s)
+    until(lambda: ray.available_resources().get(RESOURCE) == 4, timeout=10, every=0.1,
+          what=lambda: f"every {RESOURCE} slot back, {ray.available_resources().get(RESOURCE)} of 4 free")
 
 
 def test_stateful_stages_stay_in_the_flow_process():
