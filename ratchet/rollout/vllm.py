@@ -1,7 +1,8 @@
 """The vLLM rollout engine: a vLLM OpenAI server in its own virtual environment, reached over HTTP.
 
-    server = ServerProcess(vllm_command("/opt/vllm/bin/python", "runs/r/sync/v000000", port=8001), port=8001)
+    server = ServerProcess(lambda port: vllm_command("/opt/vllm/bin/python", "runs/r/sync/v000000", port))
     url = server.start()                                   # waits for GET /health; stop() ends its process group
+                                                           # (a port taken before the server bound it: another)
     engine = VLLMEngine(url, sync="reload")                # HTTPEngine (client.py) + vLLM's weight sync
     engine.set_policy_version(3, path="runs/r/sync/v000003")
     engine = vllm_engine("/opt/vllm/bin/python", "runs/r/sync/v000000")   # all of the above, one server per process
@@ -47,7 +48,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ratchet.net import free_port
 from ratchet.rollout.client import HTTPEngine
@@ -62,14 +63,28 @@ def vllm_command(python: str, model: str, port: int, host: str = "127.0.0.1", se
             "--enable-prefix-caching", "--logprobs-mode", "processed_logprobs", *extra_args]
 
 
+Command = Sequence[str] | Callable[[int], Sequence[str]]
+"""A server's command line, or a function of the port it is to listen on that gives one."""
+
+BIND_RETRIES = 3
+
+
 class ServerProcess:
     """An engine server as a child process in its own session: started, polled for readiness at
     `health_path`, stopped with its whole process group. Output goes to `log_path` (its tail is in
-    the error when the server dies or does not come up)."""
+    the error when the server dies or does not come up).
 
-    def __init__(self, command: Sequence[str], port: int, host: str = "127.0.0.1", env: dict | None = None,
+    `command` may be a function of the port (`port` None: a free one, `ratchet.net.free_port`). Then
+    a server that exits at start because another process bound its port first (free_port's window:
+    "address already in use" in its log) is started again on another free port, up to BIND_RETRIES
+    times; `port` and `url` say where it listens."""
+
+    def __init__(self, command: Command, port: int | None = None, host: str = "127.0.0.1", env: dict | None = None,
                  health_path: str = "/health", startup_timeout_s: float = 900.0, log_path: str | None = None):
-        self.command, self.port, self.host = list(command), port, host
+        if port is None and not callable(command):
+            raise ValueError("ServerProcess: give the port, or the command as a function of the port")
+        self.port, self.host = free_port(host) if port is None else port, host
+        self._use(command)
         self.env = {**os.environ, **(env or {})}
         self.health_path, self.startup_timeout_s = health_path, startup_timeout_s
         self.log_path = Path(log_path or tempfile.mkstemp(prefix=f"ratchet-engine-{os.getpid()}-", suffix=".log")[1])
@@ -80,11 +95,28 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _use(self, command: Command) -> None:
+        self.make_command = command if callable(command) else None
+        self.command = list(command(self.port) if callable(command) else command)
+
     def start(self) -> str:
         """Start the server and wait until it answers `health_path`; returns its URL."""
         if self.proc is not None and self.proc.poll() is None:
             return self.url
         t0 = time.perf_counter()
+        retries = 0
+        while True:
+            try:
+                return self._start(t0)
+            except _PortTaken:
+                retries += 1
+                if self.make_command is None or retries > BIND_RETRIES:
+                    raise
+                self.port = free_port(self.host)
+                self.command = list(self.make_command(self.port))
+
+    def _start(self, t0: float) -> str:
+        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
@@ -98,8 +130,10 @@ class ServerProcess:
             except (OSError, urllib.error.URLError):
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine server exited with code {self.proc.returncode} before it was ready: "
-                                   f"{' '.join(self.command[:6])} ... (log {self.log_path}: {self.log_tail()})")
+                taken = "address already in use" in self._log_since(logged).lower()
+                raise (_PortTaken if taken else RuntimeError)(
+                    f"engine server exited with code {self.proc.returncode} before it was ready: "
+                    f"{' '.join(self.command[:6])} ... (log {self.log_path}: {self.log_tail()})")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"engine server not ready after {self.startup_timeout_s:.0f} s at "
@@ -122,9 +156,9 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
-    def restart(self, command: Sequence[str]) -> str:
+    def restart(self, command: Command) -> str:
         self.stop()
-        self.command = list(command)
+        self._use(command)
         return self.start()
 
     def alive(self) -> bool:
@@ -135,6 +169,18 @@ class ServerProcess:
             return self.log_path.read_text(errors="replace")[-n:].strip().replace("\n", " | ")
         except OSError:
             return "(no log)"
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+class _PortTaken(RuntimeError):
+    """The server exited at start because another process holds its port."""
 
 
 class VLLMEngine(HTTPEngine):
@@ -157,7 +203,7 @@ class VLLMEngine(HTTPEngine):
             self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
             self._post("/reset_prefix_cache", {})
         else:
-            self.server.restart(self.restart_command(path))
+            self.base_url = self.server.restart(self.restart_command(path))   # on another port, if its was taken
         self.policy_version = version
 
 
@@ -175,10 +221,10 @@ def vllm_engine(python: str, model: str, extra_args: Sequence[str] = (), sync: s
         return running
     if not Path(python).exists():
         raise FileNotFoundError(f"rollout.vllm_python: {python} does not exist (the python of vLLM's own venv)")
-    port = free_port()
-    command = lambda path: vllm_command(python, path, port, seed=seed, dtype=dtype, extra_args=extra_args)  # noqa: E731
-    server = ServerProcess(command(model), port, env={"VLLM_SERVER_DEV_MODE": "1"},
-                           startup_timeout_s=startup_timeout_s)
+    def command(path: str) -> Callable[[int], list[str]]:
+        return lambda port: vllm_command(python, path, port, seed=seed, dtype=dtype, extra_args=extra_args)
+
+    server = ServerProcess(command(model), env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout_s=startup_timeout_s)
     server.start()
     _RUNNING[key] = engine = VLLMEngine(server.url, sync=sync, server=server, restart_command=command)
     return engine

@@ -12,6 +12,7 @@ from its own environment (RATCHET_VLLM_PYTHON), generating and taking a weight r
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -62,6 +63,32 @@ def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     with pytest.raises(RuntimeError, match=r"exited with code 3 before it was ready.*no GPU found"):
         server.start()
     assert not server.alive()
+
+
+def test_a_server_whose_port_was_taken_first_starts_again_on_another(tmp_path):
+    """free_port's window: another process binds the port before the server does. Given its command as
+    a function of the port, ServerProcess starts it again on a free one; given a fixed command line,
+    it reports the exit with the log that says why."""
+    def http_server(port: int) -> list[str]:
+        return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = ServerProcess(http_server, port, health_path="/", startup_timeout_s=60,
+                               log_path=str(tmp_path / "moved.log"))
+        try:
+            assert server.start() == f"http://127.0.0.1:{server.port}" and server.port != port
+            assert "address already in use" in (tmp_path / "moved.log").read_text().lower()   # the first try's
+            assert server.alive()
+        finally:
+            server.stop()
+        fixed = ServerProcess(http_server(port), port, health_path="/", log_path=str(tmp_path / "fixed.log"))
+        with pytest.raises(RuntimeError, match="(?i)before it was ready.*address already in use"):
+            fixed.start()
+    with pytest.raises(ValueError, match="give the port, or the command as a function of the port"):
+        ServerProcess(["serve"])
 
 
 @pytest.mark.slow   # two server processes start (torch + transformers imports): ~25 s of CPU, ~60 s on a busy machine
