@@ -11,6 +11,7 @@
     python -m bench.multiturn --own-revision-steps 0     # the warm start without its 100 SFT steps on its own mistakes (before 2026-12-06)
     python -m bench.multiturn --seeds 0 1 2 3       # ~65 min alone, ~85 beside a CI run (2026-12-07)
     python -m bench.multiturn --budget 1800000 --eval-at 900000   # twice the budget, both runs also evaluated halfway
+    python -m bench.multiturn --branch 2            # the K-turn run's first answers each revised by 2 episodes apart
 
 1. The start, shared by every run: python_functions tasks produced and audited into a temporary
    store, and the embedded model warm-started by SFT with revision demonstrations
@@ -84,7 +85,8 @@ def config(store: str, run_id: str, args, seed: int, turns: int, model_path: str
         model=ModelConfig(path=model_path, max_seq_len=args.context, sft_steps=args.sft_steps, seed=args.warm_seed),
         rollout=RolloutConfig(prompts_per_wave=args.prompts, group_size=args.group),
         agent=AgentConfig(turns=turns, observation_tokens=args.observation_tokens, revision_demos=args.revision_demos,
-                          own_revision_steps=args.own_revision_steps, credit=args.credit, repeat_reward=args.repeat_reward),
+                          own_revision_steps=args.own_revision_steps, credit=args.credit, repeat_reward=args.repeat_reward,
+                          branch=args.branch if turns > 1 else 1),
         train=TrainConfig(seed=seed),
         rl=RLConfig(loss_agg=args.loss_agg),      # the same loss for single-turn rows either way
         reward=RewardConfig(overlong_buffer=args.overlong_buffer),   # both runs alike
@@ -238,6 +240,9 @@ def main() -> None:
     p.add_argument("--overlong-buffer", type=int, default=0,
                    help="reward.overlong_buffer of both runs: DAPO's soft overlong punishment, in tokens (0: off)")
     p.add_argument("--observation-tokens", type=int, default=48, help="agent.observation_tokens")
+    p.add_argument("--branch", type=int, default=1,
+                   help="agent.branch of the K-turn run: each first answer shared by this many episodes of its group, "
+                        "which revise it apart (its second answers judged within the tuple); 1: every episode its own")
     p.add_argument("--revision-demos", type=float, default=0.5,
                    help="agent.revision_demos of the shared warm start (0: none, and no own-mistake steps either)")
     p.add_argument("--own-revision-steps", type=int, default=100,
@@ -306,7 +311,7 @@ def main() -> None:
                       "gain_last_across_seeds": across_seeds(gains), "gain_last_pooled": paired(pooled_multi, pooled_single),
                       "gain_last_at": gains_at,
                       "seeds": args.seeds,
-                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "own_revision_steps": args.own_revision_steps, "warm_seed": args.warm_seed, "budget": args.budget, "prompts": args.prompts, "group": args.group,
+                      "turns": args.turns, "credit": args.credit, "repeat_reward": args.repeat_reward, "overlong_buffer": args.overlong_buffer, "loss_agg": args.loss_agg, "sft_steps": args.sft_steps, "own_revision_steps": args.own_revision_steps, "warm_seed": args.warm_seed, "branch": args.branch, "budget": args.budget, "prompts": args.prompts, "group": args.group,
                       "cpus": os.cpu_count(), "load_avg": [round(x, 1) for x in os.getloadavg()]}))
 
 

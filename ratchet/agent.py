@@ -69,12 +69,14 @@ class EpisodeResult:
 def turn_records(result: EpisodeResult) -> list[dict]:
     """The episode's turns as the trajectory row's `turns` (TURN in ratchet/data/schemas.py): action,
     observation (None on the last turn), token counts, the turn's metrics and feedback, passed,
-    env_error; `reward` None (the scoring stage fills it from the metrics)."""
+    env_error, shared (the first answer of an episode that shares it: `agent.branch`); `reward` None
+    (the scoring stage fills it from the metrics)."""
+    ep = result.episode
     return [{"turn": k, "action": t.text_before_stop, "observation": t.observation,
              "action_tokens": len(t.action_ids), "observation_tokens": len(t.observation_ids),
              "metrics": v.metrics or None, "feedback": v.feedback, "passed": v.passed, "reward": None,
-             "env_error": v.env_error}
-            for k, (t, v) in enumerate(zip(result.episode.turns, result.verifications))]
+             "env_error": v.env_error, "shared": k == 0 and ep.shared_first}
+            for k, (t, v) in enumerate(zip(ep.turns, result.verifications))]
 
 
 def episode_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec], results: Sequence,
@@ -129,8 +131,9 @@ def render_observation(spec: TaskSpec, v: Verification, tokenizer=None, budget: 
 
 def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, verify: VerifyConfig, *,
                  max_new_tokens: int, temperature: float = 1.0, greedy: bool = False, seed: int | None = None,
-                 batch_size: int = 128, executor=None) -> list[EpisodeResult]:
-    """len(specs) * n episodes grouped by task (as `engine.generate`), each with its per-turn verdicts."""
+                 batch_size: int = 128, branch: int = 1, executor=None) -> list[EpisodeResult]:
+    """len(specs) * n episodes grouped by task (as `engine.generate`), each with its per-turn verdicts;
+    `branch` b: every b episodes of a task share their first answer (`generate_episodes`)."""
     if not isinstance(getattr(engine, "model", None), torch.nn.Module):
         raise TypeError(f"run_episodes: multi-turn episodes need the in-process torch engine (rollout.engine: torch), "
                         f"not {type(engine).__name__}")
@@ -154,7 +157,7 @@ def run_episodes(engine, specs: Sequence[TaskSpec], n: int, agent: AgentConfig, 
     with naming_tasks([s.task_id for s in specs]):
         episodes = generate_episodes(engine, [s.prompt for s in specs], n, respond, max_turns=agent.turns,
                                      max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy,
-                                     seed=seed, batch_size=batch_size)
+                                     seed=seed, batch_size=batch_size, branch=branch)
     results = []
     for i, ep in enumerate(episodes):
         got = verdicts.get(i, [])

@@ -263,6 +263,13 @@ class AgentConfig(Frozen):
         "at its turn (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
         "episodes that passed earlier. turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
         "rl.kl_in_reward off.")
+    branch: int = Field(
+        1, ge=1, le=64, description="Training waves (turns of 2 or more): each first answer is sampled once and "
+        "shared by this many episodes of its group, which revise it apart, so that a failed answer gets that many "
+        "revisions from one state and, with credit turn, the second answers are judged against the other revisions "
+        "of the same answer (not of the task's other answers). rollout.group_size must be a multiple of it; the "
+        "copies are not counted as sampled tokens. 1: every episode samples its own first answer. Evaluation "
+        "never branches.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "
         "reference solution) that get a revision demonstration (1 to turns - 1 wrong attempts, each followed by the "
@@ -512,6 +519,14 @@ class NightlyConfig(Frozen):
         if self.agent.turns > 1 and self.rollout.engine != "torch":
             raise ValueError(f"agent.turns {self.agent.turns}: multi-turn episodes run on the torch engine (they extend "
                              f"each episode's KV cache in place); rollout.engine is {self.rollout.engine!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _branches_within_a_group(self):
+        if self.agent.branch > 1 and (self.agent.turns < 2 or self.rollout.group_size % self.agent.branch):
+            raise ValueError(f"agent.branch {self.agent.branch}: the episodes of a group share first answers in tuples "
+                             f"of that many, revised apart; it needs agent.turns of 2 or more (is {self.agent.turns}) "
+                             f"and a rollout.group_size that is a multiple of it (is {self.rollout.group_size})")
         return self
 
     @model_validator(mode="after")

@@ -43,7 +43,7 @@ def rollout(engine, tasks: list[TaskSpec], run_id: str, step: int, version: int,
         from ratchet.agent import episode_frame, run_episodes
 
         results = run_episodes(engine, specs, cfg.rollout.group_size, cfg.agent, cfg.verify, greedy=False,
-                               executor=executor or executor_for(cfg.verify), **sampling)
+                               branch=cfg.agent.branch, executor=executor or executor_for(cfg.verify), **sampling)
         return episode_frame(run_id, step, version, specs, results, cfg.rollout.group_size)
     with naming_tasks([s.task_id for s in specs]):
         rollouts = engine.generate([s.prompt for s in specs], n=cfg.rollout.group_size, **sampling)
@@ -88,9 +88,13 @@ def rollout_stats(frame: pl.DataFrame, wall_s: float) -> dict:
 
 
 def sampled_tokens(frame: pl.DataFrame) -> int:
-    """Tokens the policy sampled in a wave: completion tokens, less observation tokens (loss_mask 0)."""
+    """Tokens the policy sampled in a wave: completion tokens, less observation tokens (loss_mask 0) and
+    the copies of a shared first answer (`agent.branch`: sampled once, by another row of the group)."""
     masked = frame["loss_mask"].list.sum().fill_null(frame["completion_tokens"].cast(pl.Int64))
-    return int(masked.sum() or 0)
+    turn = pl.element().struct
+    copied = frame["turns"].list.eval(
+        pl.when(turn.field("shared").fill_null(False)).then(turn.field("action_tokens")).otherwise(0)).list.sum()
+    return int(masked.sum() or 0) - int(copied.fill_null(0).sum() or 0)
 
 
 def sandbox_stats(frame: pl.DataFrame) -> dict:
@@ -202,7 +206,7 @@ def _sample(prompt_ids: list[int], row: dict, cfg: NightlyConfig, per_turn: bool
     once its loss mask is seen to hold one run of action tokens per turn: the trainer finds answer k
     as the k-th run (`loss_mask_of` checks the mask itself)."""
     s = TrainSample(prompt_ids, row["completion_ids"], row["behavior_logprobs"], None, row["group_id"],
-                    reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"))
+                    reward=row["reward"], row=row["_row"], loss_mask=row.get("loss_mask"), branch=cfg.agent.branch)
     if not (per_turn and row["turns"]):
         return s
     turns = len(row["turns"])

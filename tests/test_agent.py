@@ -113,6 +113,23 @@ def test_without_stop_on_pass_a_passing_episode_goes_on(engine, stopping):
     assert any(r.verifications[0].passed and len(r.episode.turns) > 1 for r in going)
 
 
+def test_branched_episodes_share_a_verdict_and_count_their_first_answer_once(engine):
+    """branch 2: each pair of a task's four episodes shares its first answer (and so its verdict), marked
+    `shared` in the second's turn records; the wave's rows count those copies out of the sampled tokens."""
+    from ratchet.agent import episode_frame
+    from ratchet.stages import sampled_tokens
+
+    results = run_episodes(engine, SPECS, 4, AgentConfig(turns=3, observation_tokens=BUDGET), VERIFY, max_new_tokens=6,
+                           temperature=1.0, seed=3, batch_size=16, branch=2)
+    records = [turn_records(r) for r in results]
+    for a, b in zip(records[::2], records[1::2]):
+        assert (a[0]["action"], a[0]["passed"], a[0]["env_error"]) == (b[0]["action"], b[0]["passed"], b[0]["env_error"])
+        assert (a[0]["shared"], b[0]["shared"]) == (False, True) and not any(x["shared"] for x in a[1:] + b[1:])
+    frame = episode_frame("r", 0, 0, SPECS, results, group_size=4)
+    own = sum(x["action_tokens"] for rs in records for x in rs if not x["shared"])
+    assert sampled_tokens(frame) == own < sum(x["action_tokens"] for rs in records for x in rs)
+
+
 def test_a_k_turn_evaluation_counts_turns_and_tokens_as_the_waves_do(engine):
     """evaluate(agent=K turns) reports `episode_metrics` of the same greedy episodes: the tokens too
     (they were 0.0 when the evaluation kept only each answer's verdict)."""

@@ -61,6 +61,23 @@ def test_a_multi_turn_row_trains_with_its_loss_mask():
     assert len(gae[0]) == 4 and gae[0][1:3] == [0.0, 0.0] and gae[0][0] != 0.0 and gae[0][3] != 0.0
 
 
+def test_sampled_tokens_leave_out_observations_and_the_copies_of_a_shared_first_answer():
+    """Row 0 sampled a1 (3 tokens) and a2 (2) around a 4-token observation; row 1 shares row 0's a1
+    (agent.branch: copied, not sampled) and sampled its own a2 (1); row 2 is single-turn (5 tokens)."""
+    from ratchet.stages import sampled_tokens
+
+    def turn(k, tokens, shared):
+        return {"turn": k, "action": "a", "observation": None, "action_tokens": tokens, "observation_tokens": None,
+                "metrics": None, "feedback": None, "passed": False, "reward": None, "env_error": False, "shared": shared}
+
+    frame = _wave({"a": [0.0, 0.0], "b": [1.0]}).with_columns(
+        pl.Series("completion_tokens", [9, 8, 5], dtype=pl.Int32),
+        pl.Series("loss_mask", [[1] * 3 + [0] * 4 + [1] * 2, [1] * 3 + [0] * 4 + [1], None], dtype=pl.List(pl.Int8)),
+        pl.Series("turns", [[turn(0, 3, False), turn(1, 2, False)], [turn(0, 3, True), turn(1, 1, False)], None],
+                  dtype=trajectories_frame([]).schema["turns"]))
+    assert sampled_tokens(frame) == 5 + 1 + 5
+
+
 def test_grpo_advantages_by_hand_and_excluded_groups():
     frame = _advantages(_wave(WAVE), _cfg())
     adv = dict(zip(zip(frame["group_id"], frame["sample_idx"]), frame["advantage"]))

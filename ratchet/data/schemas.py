@@ -107,6 +107,8 @@ TURN = pl.Struct(
         "passed": pl.Boolean,             # Verification.passed of this answer; null where not verified
         "reward": pl.Float64,             # this answer's reward; null where not scored
         "env_error": pl.Boolean,          # its verification hit an infrastructure failure
+        "shared": pl.Boolean,             # a copy of the answer another episode of the group sampled (agent.branch):
+                                          # its tokens were sampled once, there; null: single-turn
     }
 )
 """One turn of an episode: answer k, its verdict, and the observation the model read before answer k + 1.
@@ -173,7 +175,7 @@ def single_turn(completion: str, completion_tokens: int | None) -> dict[str, Any
     """The `turns` entry of a single-turn row: the completion as turn 0, nothing observed after it."""
     return {"turn": 0, "action": completion, "observation": None, "action_tokens": completion_tokens,
             "observation_tokens": None, "metrics": None, "feedback": None, "passed": None, "reward": None,
-            "env_error": None}
+            "env_error": None, "shared": None}
 
 
 def _unknown_fields(value: Any, dtype: pl.DataType, path: str) -> tuple[str, list[str], list[str]] | None:

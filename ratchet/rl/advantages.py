@@ -136,7 +136,7 @@ def reinforce_pp(rewards: Tensor, group_size: int, eps: float = 1e-6, baseline: 
     return (flat - flat.mean()) / (std + eps)  # [B*G]
 
 
-def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor) -> Tensor:
+def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor, branch: int = 1) -> Tensor:
     """Per-turn credit for multi-turn episodes (`AgentConfig.credit` "turn"): states [B*G, K], the value
     of each episode's state after turn k (its latest answer's reward so far; an episode that ended
     keeps its last), answers [B*G] how many answers each episode gave -> advantages [B*G, K].
@@ -149,7 +149,13 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor)
     answers at -0.6 to -0.7, in group-std units). A revision with no other revision of its task to
     compare with gets 0, as a group of one does; an episode's columns past its last answer are 0.
     `name` must be a per-task group estimator (grpo, dr_grpo, rloo): reinforce_pp normalises over the
-    batch, which here would be the revisions of groups with as many revisions as its own."""
+    batch, which here would be the revisions of groups with as many revisions as its own.
+
+    `branch` b > 1 (`agent.branch`: each group's rows come in b-tuples that share their first answer,
+    rows [b*j, b*j + b) of a group): the second answers are judged within their tuple, the revisions
+    of ONE failed answer against each other, so that a revision is not credited for the answer it
+    revised (a near miss's repeat against another answer's rewrite); later answers, which revise
+    answers of their own, against the task's other revisions at their turn, as without branches."""
     if states.dim() != 2:
         raise ValueError(f"turn_advantages: states must be 2-D [B*G, K], got shape {tuple(states.shape)}")
     if answers.shape != states.shape[:1]:
@@ -157,11 +163,13 @@ def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor)
     first = compute_advantages(name, states[:, 0].contiguous(), group_size)  # [B*G]
     out = first.new_zeros(states.shape)  # [B*G, K]
     out[:, 0] = first
+    if branch < 1 or group_size % branch:
+        raise ValueError(f"turn_advantages: group_size ({group_size}) must be a multiple of branch ({branch})")
     rows = torch.arange(states.shape[0], device=states.device).view(-1, group_size)  # [B, G]
     answers = answers.to(states.device)
     for k in range(1, states.shape[1]):
         by_size: dict[int, list[Tensor]] = {}   # the groups' revisions at turn k, by how many (one call per size)
-        for group in rows:
+        for group in (rows.reshape(-1, branch) if k == 1 and branch > 1 else rows):   # [G] or a tuple [b]
             live = group[answers[group] > k]  # [g]
             if live.numel() > 1:
                 by_size.setdefault(live.numel(), []).append(live)

@@ -7,6 +7,7 @@ model revises, up to K turns, with the KV cache of the conversation reused from 
     episodes = generate_episodes(engine, prompts, n=4, respond=respond, max_turns=3, max_new_tokens=64, seed=0)
     ep.completion_ids, ep.logprobs, ep.loss_mask   # a1 o1 a2 o2 a3; observations: log-prob 0.0, mask 0
     prefill_figure(episodes)                       # prefill tokens per episode: KV reuse against recomputing
+    generate_episodes(..., n=8, branch=2, ...)     # 4 first answers per prompt, each revised by 2 episodes apart
 
 How a batch (up to `batch_size` episodes, grouped by prompt) runs (`_Conversations`):
 - each distinct prompt is left-padded and prefilled ONCE; its KV cache rows are copied to its n
@@ -29,7 +30,10 @@ columns they missed are zeros at attention 0, as a row that sat the steps out ha
 Observation tokens: `tokenizer(obs, add_special_tokens=False)`; with `engine.chat_template` the
 observation is a user turn of the model's chat template (`observation_ids`). Log-probs, greedy,
 seed and stop strings follow ratchet/rollout/engine.py, per turn: a 1-turn episode is what
-`generate` samples. tests/rollout/test_episodes.py checks every step's logits against a
+`generate` samples. With `branch` b > 1, the n episodes of a prompt come in b-tuples that share their
+first answer: it is sampled once, by the first of them (`Episode.shared_first` False), and copied,
+token by token, into the others' rows (True), so that each failed first answer is revised b times
+apart, from one state (a tree of depth 1: the revisions of one answer can be judged against each other). tests/rollout/test_episodes.py checks every step's logits against a
 from-scratch forward of the whole conversation.
 """
 
@@ -76,6 +80,7 @@ class Episode:
     prefill_tokens: float        # tokens forwarded outside one-token decode steps: prompt / its sharers in the
                                  # batch, + per appended observation its tokens and the answer's last token
     recompute_tokens: float      # the same if every turn after the first re-prefilled the whole conversation
+    shared_first: bool = False   # its first answer is a copy of the one its branch's first episode sampled (branch > 1)
 
     @property
     def completion_ids(self) -> list[int]:
@@ -315,7 +320,7 @@ Respond = Callable[[int, list[tuple[int, Turn]]], Sequence[str | None]]
 def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: Respond, max_turns: int,
                       max_new_tokens: int = 48, temperature: float = 1.0, greedy: bool = False,
                       seed: int | None = None, stop: Sequence[str] | None = None, batch_size: int = 128,
-                      ) -> list[Episode]:
+                      branch: int = 1) -> list[Episode]:
     """len(prompts) * n episodes grouped by prompt (like generate). At each turn every live episode
     samples an answer; then respond(turn, [(episode_index, Turn), ...] for the live ones), turn 0-based,
     returns per episode the observation to append (None: the episode ends, end="done"). respond is
@@ -324,11 +329,15 @@ def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: 
     would not fit in the model's context (prompt + completion + observation + max_new_tokens > context,
     when the engine checks its context) ends with end="context", that observation not appended. An
     observation of no tokens is a ValueError (the loss mask tells answers apart by what lies between
-    them); to end an episode, respond returns None."""
+    them); to end an episode, respond returns None. `branch` b: each first answer is shared by b
+    consecutive episodes of its prompt (module docstring); n must be a multiple of b."""
     for name, value in (("n", n), ("max_turns", max_turns), ("max_new_tokens", max_new_tokens),
-                        ("batch_size", batch_size)):
+                        ("batch_size", batch_size), ("branch", branch)):
         if value < 1:
             raise ValueError(f"generate_episodes: {name} must be at least 1, got {value}")
+    if n % branch:
+        raise ValueError(f"generate_episodes: n ({n}) must be a multiple of branch ({branch}), so that every first "
+                         f"answer is shared by {branch} episodes of its prompt")
     if stop is not None and any(not s for s in stop):
         raise ValueError("stop: every stop string must be non-empty")
     encoded = engine.encode_prompts(prompts)
@@ -337,20 +346,22 @@ def generate_episodes(engine: TorchEngine, prompts: list[str], n: int, respond: 
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, greedy=greedy, stop=list(stop or []),
                     gen=torch.Generator().manual_seed(seed) if seed is not None else None)
     jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
+    step = max(branch, batch_size - batch_size % branch)     # a batch never splits the episodes of one first answer
     episodes: list[Episode] = []
     was_training = engine.model.training
     engine.model.eval()
     try:
-        for start in range(0, len(jobs), batch_size):
-            episodes += _batch(engine, prompts, jobs[start:start + batch_size], start, respond, max_turns, context,
-                               sampling)
+        for start in range(0, len(jobs), step):
+            episodes += _batch(engine, prompts, jobs[start:start + step], start, respond, max_turns, context,
+                               sampling, branch)
     finally:
         engine.model.train(was_training)
     return episodes
 
 
-def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling) -> list[Episode]:
-    """The episodes of jobs[(prompt index, prompt ids)] (grouped by prompt); `first`: the first's index."""
+def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling, branch=1) -> list[Episode]:
+    """The episodes of jobs[(prompt index, prompt ids)] (grouped by prompt); `first`: the first's index
+    (a multiple of `branch`, as len(jobs) is)."""
     sharers = Counter(i for i, _ in jobs)
     owner = torch.unique_consecutive(torch.tensor([i for i, _ in jobs]), return_inverse=True)[1]
     distinct = [ids for b, (i, ids) in enumerate(jobs) if b == 0 or jobs[b - 1][0] != i]
@@ -360,8 +371,9 @@ def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling) 
     prefill = [len(ids) / sharers[i] for i, ids in jobs]        # the prompt's prefill, shared by its rows
     recompute = list(prefill)
     rows = list(range(len(jobs)))                               # conversation row -> job
+    leader = torch.arange(len(jobs)) // branch * branch        # the episode whose first answer each one shares
     for k in range(max_turns):
-        answers = _decode_turn(engine, conv, **sampling)
+        answers = _decode_turn(engine, conv, copy_from=leader if k == 0 and branch > 1 else None, **sampling)
         for b, turn in zip(rows, answers):
             turns[b].append(turn)
         replies = _replies(respond, k, [(first + b, turn) for b, turn in zip(rows, answers)])
@@ -389,7 +401,8 @@ def _batch(engine, prompts, jobs, first, respond, max_turns, context, sampling) 
         conv.keep(torch.tensor(stay))
         rows = [rows[r] for r in stay]
         conv.extend(chunks)
-    return [Episode(i, ids, turns[b], end[b], prefill[b], recompute[b]) for b, (i, ids) in enumerate(jobs)]
+    return [Episode(i, ids, turns[b], end[b], prefill[b], recompute[b], shared_first=b % branch > 0)
+            for b, (i, ids) in enumerate(jobs)]
 
 
 def _replies(respond: Respond, k: int, live: list[tuple[int, Turn]]) -> list[str | None]:
@@ -404,8 +417,11 @@ def _replies(respond: Respond, k: int, live: list[tuple[int, Turn]]) -> list[str
     return list(replies)
 
 
-def _decode_turn(engine, conv: _Conversations, max_new_tokens, temperature, greedy, gen, stop) -> list[Turn]:
-    """One answer per conversation row, decoded together; rows whose answer ended sit the rest out."""
+def _decode_turn(engine, conv: _Conversations, max_new_tokens, temperature, greedy, gen, stop,
+                 copy_from: torch.Tensor | None = None) -> list[Turn]:
+    """One answer per conversation row, decoded together; rows whose answer ended sit the rest out.
+    `copy_from` [B]: row b takes row copy_from[b]'s token and log-prob at every step (rows of one prompt,
+    whose logits are the same: its answer is that row's, sampled once; both end at the same step)."""
     B, device = len(conv.length), conv.length.device
     eos, eos_t = set(engine.eos_ids), torch.tensor(engine.eos_ids, device=device)
     active = torch.ones(B, dtype=torch.bool, device=device)                      # [B] answer still going
@@ -420,6 +436,8 @@ def _decode_turn(engine, conv: _Conversations, max_new_tokens, temperature, gree
         logprobs = torch.log_softmax(logits[idx] / (1.0 if greedy else temperature), dim=-1)  # [b, V]
         tok = logprobs.argmax(-1) if greedy else sample(logprobs.exp().cpu(), gen).to(device)  # [b]
         chosen = logprobs.gather(1, tok[:, None]).squeeze(1)                     # [b]
+        if copy_from is not None:   # rows[idx]: the live answers; a copy and its source are live together
+            tok, chosen = _copied(tok, chosen, rows[idx], copy_from.to(device), B)
         answer = rows[idx].tolist()
         for b, x, lp in zip(answer, tok.tolist(), chosen.tolist()):
             tokens[b].append(x)
@@ -450,6 +468,16 @@ def _decode_turn(engine, conv: _Conversations, max_new_tokens, temperature, gree
             hit = (first_stop(text, stop) or (0, hit))[1]
         answers.append(Turn(ids, logps[b], text, ended or hit is not None, hit))
     return answers
+
+
+def _copied(tok: torch.Tensor, chosen: torch.Tensor, answers: torch.Tensor, copy_from: torch.Tensor, B: int):
+    """tok, chosen [b] of the live `answers` [b] (of B) -> each answer's source's token and log-prob."""
+    at = torch.full((B,), -1, dtype=torch.long, device=tok.device)
+    at[answers] = torch.arange(len(answers), device=tok.device)                # answer -> its place in the step
+    src = at[copy_from[answers]]                                              # [b]
+    if bool((src < 0).any()):
+        raise RuntimeError("generate_episodes: an episode sharing a first answer is live while its source is not")
+    return tok[src], chosen[src]
 
 
 def prefill_figure(episodes: Sequence[Episode]) -> dict:

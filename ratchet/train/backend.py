@@ -197,10 +197,15 @@ class Trainer(ABC):
         group's other revisions at its turn (`turn_advantages`), each answer's tokens given its turn's
         advantage (`spread_over_turns`)."""
         out: dict[int, list[float]] = {}
+        branches = {s.branch for rows in groups for s in rows}
+        if len(branches) > 1:
+            raise ValueError(f"assign_advantages: the samples of one wave come from one agent.branch, got {sorted(branches)}")
+        branch = branches.pop() if branches else 1
+        groups = [sorted(rows, key=lambda s: s.row) for rows in groups]   # a group's tuples: consecutive rows
         for size, flat in _by_size(groups).items():   # one call per group size
             masks = [loss_mask_of(s) for s in flat]
             adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size,
-                                  torch.tensor([answer_count(m) for m in masks]))  # [B*G, K]
+                                  torch.tensor([answer_count(m) for m in masks]), branch)  # [B*G, K]
             out.update({id(s): spread_over_turns(a, m).tolist() for s, a, m in zip(flat, adv, masks)})
         return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
 

@@ -39,6 +39,8 @@ class TrainSample:
     loss_mask: list[int] | None = None            # one per completion token: 1 = the model's own (action)
                                                   # token, 0 = observation; None = all ones (single-turn)
     turn_rewards: list[float] | None = None       # per-turn credit: the episode's state value after each turn
+    branch: int = 1                               # agent.branch: the group's rows come in tuples of this many
+                                                  # that share their first answer (in `row` order)
 
     @property
     def action_tokens(self) -> int:

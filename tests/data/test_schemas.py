@@ -30,9 +30,9 @@ FIRST_FEEDBACK = {"exit_code": 1, "killed_by": None, "timed_out": False, "stdout
 MULTI_TURN = [  # answer, its verdict and the observation read before the next answer; the last turn observes nothing
     {"turn": 0, "action": "def f(): return 0", "observation": "1 of 4 tests passed: test_f expected 1, got 0",
      "action_tokens": 3, "observation_tokens": 2, "metrics": FIRST_METRICS, "feedback": FIRST_FEEDBACK,
-     "passed": False, "reward": 0.25, "env_error": False},
+     "passed": False, "reward": 0.25, "env_error": False, "shared": False},
     {"turn": 1, "action": "def f(): return 1", "observation": None, "action_tokens": 1, "observation_tokens": None,
-     "metrics": None, "feedback": None, "passed": None, "reward": None, "env_error": None},
+     "metrics": None, "feedback": None, "passed": None, "reward": None, "env_error": None, "shared": False},
 ]
 
 
@@ -73,7 +73,7 @@ def test_defaults_for_single_turn_and_int_group_ids():
     assert df["turns"][0].to_list() == [{"turn": 0, "action": row["completion"], "observation": None,
                                          "action_tokens": row["completion_tokens"], "observation_tokens": None,
                                          "metrics": None, "feedback": None, "passed": None, "reward": None,
-                                         "env_error": None}]
+                                         "env_error": None, "shared": None}]
     assert df["loss_mask"][0] is None
     assert df["advantage"][0] is None
 

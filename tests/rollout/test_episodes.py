@@ -64,6 +64,30 @@ def test_three_turn_logprobs_match_a_from_scratch_forward(greedy, batch_size):
             assert torch.equal(logp[P - 1:].argmax(-1)[mask], torch.tensor(ids[P:])[mask])
 
 
+def test_branched_episodes_share_their_first_answer_and_revise_it_apart():
+    """branch 2, n 4, batch_size 6 (cut to 4: a batch never splits a pair): episodes 2j and 2j + 1 of a
+    prompt share one sampled first answer (ids, log-probs, stop), the second marked shared_first; their
+    revisions are sampled apart, and every action token's log-prob is still the from-scratch forward's."""
+    engine, model = _engine()
+    eps = generate_episodes(engine, PROMPTS, n=4, respond=_always, max_turns=3, max_new_tokens=10, temperature=1.0,
+                            seed=0, stop=STOPS, batch_size=6, branch=2)
+    assert [e.shared_first for e in eps] == [False, True] * 6
+    for a, b in zip(eps[::2], eps[1::2]):
+        assert a.prompt_index == b.prompt_index
+        assert (a.turns[0].action_ids, a.turns[0].action_logprobs, a.turns[0].stop) == \
+            (b.turns[0].action_ids, b.turns[0].action_logprobs, b.turns[0].stop)
+    assert len({tuple(e.turns[0].action_ids) for e in eps}) > 3            # the pairs sampled first answers apart
+    assert sum(a.turns[1].action_ids != b.turns[1].action_ids for a, b in zip(eps[::2], eps[1::2])) >= 4
+    for e in eps:
+        ids, P = e.prompt_ids + e.completion_ids, len(e.prompt_ids)
+        logp = torch.log_softmax(_full_logits(model, ids)[:-1], -1)
+        full = logp[P - 1:].gather(1, torch.tensor(ids[P:])[:, None]).squeeze(1)
+        mask = torch.tensor(e.loss_mask, dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(e.logprobs)[mask], full[mask], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"n \(3\) must be a multiple of branch \(2\)"):
+        generate_episodes(engine, PROMPTS, n=3, respond=_always, max_turns=2, branch=2)
+
+
 def test_every_steps_logits_equal_a_from_scratch_forward():
     """The cache itself: prefill shared by a group, decode steps with a row sitting out, a row leaving,
     a left-padded observation chunk; every row's full next-token logits equal the forward of its tokens."""

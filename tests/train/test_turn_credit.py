@@ -84,6 +84,48 @@ def test_turn_advantages_by_hand():
         turn_advantages("grpo", states, 4, answers[:2])
 
 
+def test_with_branches_a_second_answer_is_judged_against_the_revisions_of_its_own_first_answer():
+    """branch 2: rows (0, 1) share a near miss, rows (2, 3) a hopeless answer, rows (4, 5) a pass. Per
+    task, the near miss's repeat (0.75) would beat the other answer's rewrite (0.5) and be pushed up; per
+    tuple it is pushed down against the fix (1.0) of the same answer. Turn 3 stays per task."""
+    states = torch.tensor([[0.75, 0.75, 0.75], [0.75, 1.0, 1.0], [0.0, 0.5, 0.5], [0.0, 0.25, 1.0],
+                           [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    answers = torch.tensor([3, 2, 3, 3, 1, 1])
+    per_task = turn_advantages("grpo", states, 6, answers)
+    assert per_task[0, 1] > 0                                          # the repeat, against the other answer's revisions
+    tuples = turn_advantages("grpo", states, 6, answers, branch=2)
+    torch.testing.assert_close(tuples[:4, 1], torch.tensor([-1.0, 1.0, 1.0, -1.0]) * 2 ** -0.5)
+    torch.testing.assert_close(tuples[:, 0], per_task[:, 0])                # turn 1: the group, as without branches
+    torch.testing.assert_close(tuples[:, 2], per_task[:, 2])                # turn 3: the task's third answers
+    assert tuples[4:, 1:].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"group_size \(6\) must be a multiple of branch \(4\)"):
+        turn_advantages("grpo", states, 6, answers, branch=4)
+
+
+def test_the_trainer_finds_a_groups_tuples_by_row_whatever_order_the_samples_come_in():
+    """branch 2, rows 0-3: revisions scoring (0.5, 0) of one first answer, (1, 0.75) of another; the
+    samples handed over as rows 0, 2, 1, 3 still pair by row: each revision +-1/sqrt(2) against its own
+    tuple's other (paired as they came, row 0 would be pushed down against row 2, row 3 up)."""
+    eos = tiny.tokenizer().eos_token_id
+    ids, mask = A1 + [eos] + O1 + A2 + [eos], [1] * 3 + [0] * 2 + [1] * 3
+    states = [[0.0, 0.5], [0.0, 0.0], [0.0, 1.0], [0.0, 0.75]]
+    samples = [TrainSample(PROMPT, ids, [-1.0] * len(ids), None, "g", reward=st[-1], row=r, loss_mask=mask,
+                           turn_rewards=st, branch=2) for r, st in enumerate(states)]
+    t = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), RLConfig())
+    got = {s.row: s.token_advantages[5] for s in t.assign_advantages([samples[i] for i in (0, 2, 1, 3)])}
+    assert [got[r] for r in range(4)] == pytest.approx([2 ** -0.5, -(2 ** -0.5), 2 ** -0.5, -(2 ** -0.5)], rel=1e-5)
+    samples[0].branch = 1
+    with pytest.raises(ValueError, match=r"one agent.branch, got \[1, 2\]"):
+        t.assign_advantages(samples)
+
+
+def test_branch_needs_turns_and_a_group_of_whole_tuples():
+    NightlyConfig(rollout=RolloutConfig(group_size=8), agent=AgentConfig(turns=3, branch=2))
+    for agent, group_size in ((AgentConfig(turns=1, branch=2), 8), (AgentConfig(turns=3, branch=3), 8)):
+        with pytest.raises(ValueError, match=r"agent.branch \d: .* needs agent.turns of 2 or more .* multiple of it"):
+            NightlyConfig(rollout=RolloutConfig(group_size=group_size), agent=agent)
+
+
 def test_answer_count_counts_the_runs_of_the_loss_mask():
     assert answer_count(torch.tensor([1, 1, 0, 0, 1, 0, 1])) == 3
     assert answer_count(torch.ones(4)) == 1
