@@ -268,7 +268,8 @@ class AgentConfig(Frozen):
         "shared by this many episodes of its group, which revise it apart, so that a failed answer gets that many "
         "revisions from one state and, with credit turn, the second answers are judged against the other revisions "
         "of the same answer (not of the task's other answers). rollout.group_size must be a multiple of it; the "
-        "copies are not counted as sampled tokens. 1: every episode samples its own first answer. Evaluation "
+        "copies are not counted as sampled tokens (they are still decoded and verified in their rows, and each "
+        "trains as its episode's first answer). 1: every episode samples its own first answer. Evaluation "
         "never branches.")
     revision_demos: float = Field(
         0.0, ge=0, le=1, description="Embedded model's warm start: fraction of the training tasks (those with a "

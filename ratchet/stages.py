@@ -91,10 +91,18 @@ def sampled_tokens(frame: pl.DataFrame) -> int:
     """Tokens the policy sampled in a wave: completion tokens, less observation tokens (loss_mask 0) and
     the copies of a shared first answer (`agent.branch`: sampled once, by another row of the group)."""
     masked = frame["loss_mask"].list.sum().fill_null(frame["completion_tokens"].cast(pl.Int64))
-    turn = pl.element().struct
-    copied = frame["turns"].list.eval(
-        pl.when(turn.field("shared").fill_null(False)).then(turn.field("action_tokens")).otherwise(0)).list.sum()
-    return int(masked.sum() or 0) - int(copied.fill_null(0).sum() or 0)
+    return int(masked.sum() or 0) - _copies(frame)[0]
+
+
+def _copies(frame: pl.DataFrame) -> tuple[int, float]:
+    """How many of the wave's tokens are copies of a first answer another row sampled (`turns[0].shared`,
+    agent.branch), and their behaviour log-probs summed. A wave written before agent.branch has none."""
+    if "shared" not in {f.name for f in frame.schema["turns"].inner.fields}:
+        return 0, 0.0
+    first = pl.col("turns").list.first().struct
+    n = pl.when(first.field("shared").fill_null(False)).then(first.field("action_tokens")).otherwise(0)
+    got = frame.select(tokens=n.sum(), logprobs=pl.col("behavior_logprobs").list.head(n).list.sum().sum()).row(0)
+    return int(got[0] or 0), float(got[1] or 0.0)
 
 
 def sandbox_stats(frame: pl.DataFrame) -> dict:
@@ -161,7 +169,7 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     groups), `env_error_rate` (of all rows), `completion_tokens_mean` (sampled tokens per row), and
     `sampled_entropy`: the sampling policy's entropy in nats per token, estimated over every sampled
     token of the wave as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward
-    pass; an observation token's log-prob is 0 and is not counted). Multi-turn waves add the episode
+    pass; an observation token's log-prob is 0 and is not counted, nor is a copy of a shared first answer). Multi-turn waves add the episode
     figures (`ratchet.agent.episode_metrics`: pass rate after each turn, fix rate, repeat rate, turns per episode)."""
     stats = group_stats(frame, cfg)
     verified = frame.filter(~pl.col("env_error"))
@@ -177,7 +185,8 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     )
     with_logprobs = frame.filter(pl.col("behavior_logprobs").is_not_null())
     if sampled := sampled_tokens(with_logprobs):
-        stats["sampled_entropy"] = -float(with_logprobs["behavior_logprobs"].list.sum().sum()) / sampled
+        own = float(with_logprobs["behavior_logprobs"].list.sum().sum()) - _copies(with_logprobs)[1]
+        stats["sampled_entropy"] = -own / sampled
     if cfg.agent.turns > 1:
         from ratchet.agent import episode_metrics
 

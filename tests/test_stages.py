@@ -63,8 +63,11 @@ def test_a_multi_turn_row_trains_with_its_loss_mask():
 
 def test_sampled_tokens_leave_out_observations_and_the_copies_of_a_shared_first_answer():
     """Row 0 sampled a1 (3 tokens) and a2 (2) around a 4-token observation; row 1 shares row 0's a1
-    (agent.branch: copied, not sampled) and sampled its own a2 (1); row 2 is single-turn (5 tokens)."""
-    from ratchet.stages import sampled_tokens
+    (agent.branch: copied, not sampled) and sampled its own a2 (1); row 2 is single-turn (5 tokens).
+    The entropy estimate takes the sampled tokens' log-probs alone; a wave written before `shared`
+    existed (its turns without the field) counts every action token."""
+    from ratchet.config import AgentConfig
+    from ratchet.stages import sampled_tokens, wave_stats
 
     def turn(k, tokens, shared):
         return {"turn": k, "action": "a", "observation": None, "action_tokens": tokens, "observation_tokens": None,
@@ -74,8 +77,15 @@ def test_sampled_tokens_leave_out_observations_and_the_copies_of_a_shared_first_
         pl.Series("completion_tokens", [9, 8, 5], dtype=pl.Int32),
         pl.Series("loss_mask", [[1] * 3 + [0] * 4 + [1] * 2, [1] * 3 + [0] * 4 + [1], None], dtype=pl.List(pl.Int8)),
         pl.Series("turns", [[turn(0, 3, False), turn(1, 2, False)], [turn(0, 3, True), turn(1, 1, False)], None],
-                  dtype=trajectories_frame([]).schema["turns"]))
+                  dtype=trajectories_frame([]).schema["turns"]),
+        pl.Series("behavior_logprobs", [[-1.0] * 3 + [0.0] * 4 + [-2.0] * 2, [-1.0] * 3 + [0.0] * 4 + [-4.0], [-0.5] * 5],
+                  dtype=pl.List(pl.Float32)))
     assert sampled_tokens(frame) == 5 + 1 + 5
+    cfg = NightlyConfig(rollout=RolloutConfig(group_size=2), agent=AgentConfig(turns=2))
+    assert wave_stats(frame, cfg)["sampled_entropy"] == pytest.approx((3 + 4 + 4 + 2.5) / 11)
+    turn_ = pl.element().struct
+    before = frame.with_columns(pl.col("turns").list.eval(pl.struct(turn_.field("turn"), turn_.field("action_tokens"))))
+    assert sampled_tokens(before) == 5 + 4 + 5
 
 
 def test_grpo_advantages_by_hand_and_excluded_groups():

@@ -74,9 +74,11 @@ class ServerProcess:
     `health_path`, stopped with its whole process group. Output goes to `log_path` (its tail is in
     the error when the server dies or does not come up).
 
-    `command` may be a function of the port (`port` None: a free one, `ratchet.net.free_port`). Then
-    a server that exits at start because another process bound its port first (free_port's window:
-    "address already in use" in its log) is started again on another free port, up to BIND_RETRIES
+    Ready means: `health_path` answers 200 and the listener on the port is a socket of the server's
+    process group (`_listens`), not another process that took the port first (free_port's window)
+    and answers there too. `command` may be a function of the port (`port` None: a free one,
+    `ratchet.net.free_port`); then a server whose port was taken ("address already in use" in its
+    log, or another process answering) is started again on another free port, up to BIND_RETRIES
     times; `port` and `url` say where it listens."""
 
     def __init__(self, command: Command, port: int | None = None, host: str = "127.0.0.1", env: dict | None = None,
@@ -125,10 +127,15 @@ class ServerProcess:
         while True:   # another process: its readiness can only be polled
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=5) as resp:
-                    if resp.status == 200:
-                        break
+                    answered = resp.status == 200
             except (OSError, urllib.error.URLError):
-                pass
+                answered = False
+            if answered and _listens(self.proc.pid, self.port) is not False:
+                break
+            if answered:                 # another process took the port first and answers on it
+                self.stop()
+                raise _PortTaken(f"another process answers {self.url}{self.health_path}, not the engine server "
+                                 f"started there ({' '.join(self.command[:6])} ...; log {self.log_path})")
             if self.proc.poll() is not None:
                 taken = "address already in use" in self._log_since(logged).lower()
                 raise (_PortTaken if taken else RuntimeError)(
@@ -180,7 +187,40 @@ class ServerProcess:
 
 
 class _PortTaken(RuntimeError):
-    """The server exited at start because another process holds its port."""
+    """The server could not have its port: another process held it first."""
+
+
+def _listens(pgid: int, port: int) -> bool | None:
+    """Whether the sockets listening on TCP `port` are all the open files of processes of group `pgid`
+    (Linux's /proc/net/tcp and tcp6): False when another process listens there too (it took the port
+    first, or shares it through SO_REUSEPORT, and would answer some of the requests); None where /proc
+    shows no listener on it (it cannot tell)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:   # sl local_address rem_address st ... inode
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                sockets.add(f"socket:[{f[9]}]")
+    if not sockets:
+        return None
+    ours = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != pgid:
+                continue
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:          # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
+                ours.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:      # closed meanwhile
+                pass
+    return sockets <= ours
 
 
 class VLLMEngine(HTTPEngine):

@@ -65,12 +65,12 @@ def test_three_turn_logprobs_match_a_from_scratch_forward(greedy, batch_size):
 
 
 def test_branched_episodes_share_their_first_answer_and_revise_it_apart():
-    """branch 2, n 4, batch_size 6 (cut to 4: a batch never splits a pair): episodes 2j and 2j + 1 of a
+    """branch 2, n 4, batch_size 3 (cut to 2: a batch never splits a pair): episodes 2j and 2j + 1 of a
     prompt share one sampled first answer (ids, log-probs, stop), the second marked shared_first; their
     revisions are sampled apart, and every action token's log-prob is still the from-scratch forward's."""
     engine, model = _engine()
     eps = generate_episodes(engine, PROMPTS, n=4, respond=_always, max_turns=3, max_new_tokens=10, temperature=1.0,
-                            seed=0, stop=STOPS, batch_size=6, branch=2)
+                            seed=0, stop=STOPS, batch_size=3, branch=2)
     assert [e.shared_first for e in eps] == [False, True] * 6
     for a, b in zip(eps[::2], eps[1::2]):
         assert a.prompt_index == b.prompt_index

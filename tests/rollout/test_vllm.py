@@ -24,7 +24,7 @@ from ratchet.rollout.behaviour import ServerWeights
 from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.net import free_port
-from ratchet.rollout.vllm import ServerProcess, VLLMEngine, vllm_command, vllm_engine
+from ratchet.rollout.vllm import ServerProcess, VLLMEngine, _listens, vllm_command, vllm_engine
 from tests.rollout.test_engine_contract import PROMPTS, _save
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +68,8 @@ def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
 def test_a_server_whose_port_was_taken_first_starts_again_on_another(tmp_path):
     """free_port's window: another process binds the port before the server does. Given its command as
     a function of the port, ServerProcess starts it again on a free one; given a fixed command line,
-    it reports the exit with the log that says why."""
+    it reports the exit with the log that says why. Where the taker answers the health check itself,
+    its 200 is not taken for this server's: the port's listener must be of this server's process group."""
     def http_server(port: int) -> list[str]:
         return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
 
@@ -87,6 +88,24 @@ def test_a_server_whose_port_was_taken_first_starts_again_on_another(tmp_path):
         fixed = ServerProcess(http_server(port), port, health_path="/", log_path=str(tmp_path / "fixed.log"))
         with pytest.raises(RuntimeError, match="(?i)before it was ready.*address already in use"):
             fixed.start()
+    # the port's taker is a server that answers too: its 200 is not this server being ready
+    other = ServerProcess(http_server, health_path="/", startup_timeout_s=60, log_path=str(tmp_path / "other.log"))
+    try:
+        other.start()
+        assert _listens(other.proc.pid, other.port) is True
+        moved = ServerProcess(http_server, other.port, health_path="/", startup_timeout_s=60,
+                              log_path=str(tmp_path / "moved-again.log"))
+        try:
+            moved.start()
+            assert moved.port != other.port and _listens(moved.proc.pid, moved.port) is True
+        finally:
+            moved.stop()
+        with pytest.raises(RuntimeError, match="another process answers http://127.0.0.1:.*/, not the engine server"):
+            ServerProcess(http_server(other.port), other.port, health_path="/", startup_timeout_s=60,
+                          log_path=str(tmp_path / "fixed-again.log")).start()
+        assert _listens(os.getpid(), other.port) is False
+    finally:
+        other.stop()
     with pytest.raises(ValueError, match="give the port, or the command as a function of the port"):
         ServerProcess(["serve"])
 
