@@ -169,8 +169,9 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
     groups), `env_error_rate` (of all rows), `completion_tokens_mean` (sampled tokens per row), and
     `sampled_entropy`: the sampling policy's entropy in nats per token, estimated over every sampled
     token of the wave as the mean of -log pi_behav(token) (E_x~p[-log p(x)] = H(p); no extra forward
-    pass; an observation token's log-prob is 0 and is not counted, nor is a copy of a shared first answer). Multi-turn waves add the episode
-    figures (`ratchet.agent.episode_metrics`: pass rate after each turn, fix rate, repeat rate, turns per episode)."""
+    pass; an observation token's log-prob is 0 and is not counted, nor is a copy of a shared first
+    answer). Multi-turn waves add the episode figures (`ratchet.agent.episode_metrics`: pass rate
+    after each turn, fix rate, repeat rate, turns per episode)."""
     stats = group_stats(frame, cfg)
     verified = frame.filter(~pl.col("env_error"))
     judged = stats["groups"] - stats["groups_env_error"]

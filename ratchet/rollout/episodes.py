@@ -33,8 +33,9 @@ seed and stop strings follow ratchet/rollout/engine.py, per turn: a 1-turn episo
 `generate` samples. With `branch` b > 1, the n episodes of a prompt come in b-tuples that share their
 first answer: it is sampled once, by the first of them (`Episode.shared_first` False), and copied,
 token by token, into the others' rows (True), so that each failed first answer is revised b times
-apart, from one state (a tree of depth 1: the revisions of one answer can be judged against each other). tests/rollout/test_episodes.py checks every step's logits against a
-from-scratch forward of the whole conversation.
+apart, from one state (a tree of depth 1: the revisions of one answer can be judged against each
+other). tests/rollout/test_episodes.py checks every step's logits against a from-scratch forward of
+the whole conversation.
 """
 
 from __future__ import annotations
