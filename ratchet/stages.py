@@ -90,19 +90,21 @@ def rollout_stats(frame: pl.DataFrame, wall_s: float) -> dict:
 def sampled_tokens(frame: pl.DataFrame) -> int:
     """Tokens the policy sampled in a wave: completion tokens, less observation tokens (loss_mask 0) and
     the copies of a shared first answer (`agent.branch`: sampled once, by another row of the group)."""
+    return _sampled(frame)[0]
+
+
+def _sampled(frame: pl.DataFrame) -> tuple[int, float]:
+    """`sampled_tokens`, and their behaviour log-probs summed (observation tokens' are 0.0). The copies of
+    a shared first answer (`turns[0].shared`) are left out of both; a wave written before agent.branch
+    has none."""
     masked = frame["loss_mask"].list.sum().fill_null(frame["completion_tokens"].cast(pl.Int64))
-    return int(masked.sum() or 0) - _copies(frame)[0]
-
-
-def _copies(frame: pl.DataFrame) -> tuple[int, float]:
-    """How many of the wave's tokens are copies of a first answer another row sampled (`turns[0].shared`,
-    agent.branch), and their behaviour log-probs summed. A wave written before agent.branch has none."""
+    tokens, logprobs = int(masked.sum() or 0), float(frame["behavior_logprobs"].list.sum().sum() or 0.0)
     if "shared" not in {f.name for f in frame.schema["turns"].inner.fields}:
-        return 0, 0.0
+        return tokens, logprobs
     first = pl.col("turns").list.first().struct
     n = pl.when(first.field("shared").fill_null(False)).then(first.field("action_tokens")).otherwise(0)
-    got = frame.select(tokens=n.sum(), logprobs=pl.col("behavior_logprobs").list.head(n).list.sum().sum()).row(0)
-    return int(got[0] or 0), float(got[1] or 0.0)
+    copied = frame.select(tokens=n.sum(), logprobs=pl.col("behavior_logprobs").list.head(n).list.sum().sum()).row(0)
+    return tokens - int(copied[0] or 0), logprobs - float(copied[1] or 0.0)
 
 
 def sandbox_stats(frame: pl.DataFrame) -> dict:
@@ -185,9 +187,9 @@ def wave_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:
         completion_tokens_mean=tokens / frame.height if frame.height else 0.0,
     )
     with_logprobs = frame.filter(pl.col("behavior_logprobs").is_not_null())
-    if sampled := sampled_tokens(with_logprobs):
-        own = float(with_logprobs["behavior_logprobs"].list.sum().sum()) - _copies(with_logprobs)[1]
-        stats["sampled_entropy"] = -own / sampled
+    sampled, logprobs = _sampled(with_logprobs)
+    if sampled:
+        stats["sampled_entropy"] = -logprobs / sampled
     if cfg.agent.turns > 1:
         from ratchet.agent import episode_metrics
 
