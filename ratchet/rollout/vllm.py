@@ -115,7 +115,7 @@ class ServerProcess:
                 if self.make_command is None or retries > BIND_RETRIES:
                     raise
                 self.port = free_port(self.host)
-                self.command = list(self.make_command(self.port))
+                self._use(self.make_command)
 
     def _start(self, t0: float) -> str:
         logged = self.log_path.stat().st_size if self.log_path.exists() else 0
