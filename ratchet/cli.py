@@ -103,6 +103,7 @@ def run(
     # The ephemeral API migrates a fresh database on first start: allow for a busy machine.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     _ephemeral_api_dies_with_us()
+    _migrate_ephemeral_db()
     from flows.nightly import nightly
     from ratchet.run import note_stop_signals, request_stop, stopped_by
 
@@ -208,6 +209,30 @@ def _ephemeral_api_dies_with_us() -> None:
         return subprocess.Popen(*args, **kw)
 
     api.subprocess = SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+
+
+def _migrate_ephemeral_db() -> None:
+    """Bring the ephemeral API's database to Prefect's head revision here, one process at a time.
+
+    Every ephemeral API migrates its database as it starts, and `ratchet run`s started together on
+    one PREFECT_HOME share that database: their migrations race (one drops a table another has just
+    dropped; sqlite3.OperationalError, and that API dies while starting). So the first holder of an
+    exclusive lock in PREFECT_HOME migrates it, and the others, in turn, find it at head (a
+    no-op); each API's own migration is then a no-op too. With PREFECT_API_URL set there is no
+    ephemeral API: its server migrates its own database."""
+    import asyncio
+    import fcntl
+
+    from prefect.server.database import provide_database_interface
+    from prefect.settings import PREFECT_API_DATABASE_MIGRATE_ON_START, PREFECT_API_URL, PREFECT_HOME
+
+    if PREFECT_API_URL.value() or not PREFECT_API_DATABASE_MIGRATE_ON_START.value():
+        return
+    home = PREFECT_HOME.value()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "ratchet-migrate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or when this process dies
+        asyncio.run(provide_database_interface().create_db())
 
 
 def _restart_ephemeral_api_if_it_dies(every_s: float = 2.0) -> threading.Event:

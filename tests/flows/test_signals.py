@@ -246,6 +246,52 @@ def test_the_api_watchdog_restarts_only_a_server_that_served_and_whose_port_went
         f"the ephemeral Prefect API on port {served.port} died (exit -9); starting it again"]
 
 
+def _waiting_for_flock(path: Path) -> set[int]:
+    """The pids blocked in flock() on `path` (the kernel's /proc/locks lists a waiter as "-> FLOCK")."""
+    inode = f":{os.stat(path).st_ino} "
+    return {int(line.split()[5]) for line in Path("/proc/locks").read_text().splitlines()
+            if " -> FLOCK " in line and inode in line}
+
+
+def test_runs_started_together_migrate_one_fresh_prefect_database_in_turn(tmp_path):
+    """Three `ratchet run`s on one fresh PREFECT_HOME (2026-12-07): their ephemeral APIs migrated the
+    one database at once, and one died (sqlite3.OperationalError: no such table; two of three
+    releases of three bare migrations failed so). Here the test holds the migration lock while three
+    processes start: all three wait for it, before any touches the database; released, they bring
+    it to head one after another."""
+    import fcntl
+    import sqlite3
+
+    import prefect.server.database._migrations as migrations
+    from alembic.script import ScriptDirectory
+    from prefect.server.database.orm_models import AioSqliteORMConfiguration
+
+    home = tmp_path / "prefect"
+    home.mkdir()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(ROOT)}
+    env.pop("PREFECT_API_URL", None)
+    lock_path = home / "ratchet-migrate.lock"
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [subprocess.Popen([sys.executable, "-c", "from ratchet.cli import _migrate_ephemeral_db as m; m()"],
+                                  cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(3)]
+        pids = {p.pid for p in procs}
+
+        def all_waiting() -> bool:
+            assert all(p.poll() is None for p in procs), "a process ended while the test held the lock"
+            return _waiting_for_flock(lock_path) == pids
+
+        until(all_waiting, timeout=120, what=lambda: f"all three to wait: {_waiting_for_flock(lock_path)} of {pids}")
+        assert not (home / "prefect.db").exists()
+    outcomes = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    assert [rc for rc, _ in outcomes] == [0, 0, 0], "\n".join(err[-2000:] for _, err in outcomes)
+    head = ScriptDirectory(list(migrations.__path__)[0],
+                           version_locations=[str(AioSqliteORMConfiguration().versions_dir)]).get_current_head()
+    with sqlite3.connect(home / "prefect.db") as db:
+        assert db.execute("select version_num from alembic_version").fetchall() == [(head,)]
+
+
 def test_a_stop_signal_that_a_library_converts_still_ends_the_attempt_interrupted(monkeypatch):
     """A signal's Interrupted raised inside polars came out as a TypeError (CI, 2026-12-04): the attempt
     is still "interrupted", and `ratchet run` exits as interrupted (the test above)."""
