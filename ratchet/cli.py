@@ -211,6 +211,9 @@ def _ephemeral_api_dies_with_us() -> None:
     api.subprocess = SimpleNamespace(**{**vars(subprocess), "Popen": popen})
 
 
+MIGRATE_LOCK = "ratchet-migrate.lock"   # in PREFECT_HOME: `ratchet run`s migrate its database one at a time
+
+
 def _migrate_ephemeral_db() -> None:
     """Bring the ephemeral API's database to Prefect's head revision here, one process at a time.
 
@@ -230,7 +233,7 @@ def _migrate_ephemeral_db() -> None:
         return
     home = PREFECT_HOME.value()
     home.mkdir(parents=True, exist_ok=True)
-    with open(home / "ratchet-migrate.lock", "w") as lock:
+    with open(home / MIGRATE_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, or when this process dies
         asyncio.run(provide_database_interface().create_db())
 

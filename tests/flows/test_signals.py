@@ -266,11 +266,13 @@ def test_runs_started_together_migrate_one_fresh_prefect_database_in_turn(tmp_pa
     from alembic.script import ScriptDirectory
     from prefect.server.database.orm_models import AioSqliteORMConfiguration
 
+    from ratchet.cli import MIGRATE_LOCK
+
     home = tmp_path / "prefect"
     home.mkdir()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(ROOT)}
     env.pop("PREFECT_API_URL", None)
-    lock_path = home / "ratchet-migrate.lock"
+    lock_path = home / MIGRATE_LOCK
     with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         procs = [subprocess.Popen([sys.executable, "-c", "from ratchet.cli import _migrate_ephemeral_db as m; m()"],
