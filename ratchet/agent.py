@@ -178,7 +178,8 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
     then revised into a failure counts as failed, so `pass_last` is what the last answer, the one
     promotion judges, scores); `pass_turn1`, `pass_last`; `fix_rate`: of the episodes that failed
     turn 1 (`failed_turn1`), the share whose last answer passes (None when none failed);
-    `mean_turns`, `mean_action_tokens` (sampled), `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
+    `mean_turns`, `mean_action_tokens` (sampled: a copy of a shared first answer, `agent.branch`, is
+    not), `mean_observation_tokens`; `repeat_rate`: of the revisions (answers after the first) whose records
     carry their `action`, the share that repeat the answer before them, leading and trailing whitespace
     aside (a repeat cannot pass a deterministic task: a revision spent); `ends`: episodes that ended
     passing, at the turn limit, or earlier (out of context). Rates are None when no episode counts."""
@@ -206,7 +207,7 @@ def episode_metrics(episodes: Sequence[Sequence[dict]], max_turns: int) -> dict:
         "pass_after_turn": after, "pass_turn1": after[0], "pass_last": after[-1],
         "fix_rate": mean([passes_after(e, len(e)) for e in failed1]), "failed_turn1": len(failed1),
         "mean_turns": mean([len(e) for e in ok]),
-        "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e) for e in ok]),
+        "mean_action_tokens": mean([sum(t.get("action_tokens") or 0 for t in e if not t.get("shared")) for e in ok]),
         "mean_observation_tokens": mean([sum(t.get("observation_tokens") or 0 for t in e) for e in ok]),
         "repeat_rate": mean(repeated),
         "ends": ends,

@@ -261,7 +261,8 @@ class AgentConfig(Frozen):
         "the episode's advantage (from its final reward). turn: answer 1 gets the group-relative advantage of its "
         "reward, as a single-turn answer does; a revision (answer 2 or later) is compared with the task's other revisions "
         "at its turn (its reward less turn_penalty per turn taken), so it is judged by what it fixed, not against the "
-        "episodes that passed earlier. turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
+        "episodes that passed earlier (with stop_on_pass off, an episode that passed answers again and is "
+        "one of them). turn needs a per-task group estimator (grpo, dr_grpo or rloo) and "
         "rl.kl_in_reward off.")
     branch: int = Field(
         1, ge=1, le=64, description="Training waves (turns of 2 or more): each first answer is sampled once and "

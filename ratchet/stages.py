@@ -8,6 +8,7 @@ through `tasks/` (load, call one of these, save), to here.
 from __future__ import annotations
 
 import polars as pl
+import torch
 
 from envs.sources import curriculum_for
 from envs.spec import RewardLogic, TaskSpec
@@ -15,7 +16,7 @@ from ratchet.config import NightlyConfig
 from ratchet.data.schemas import FEEDBACK
 from ratchet.reward.composite import most_overlong, reward_bounds
 from ratchet.reward.frame import turn_states
-from ratchet.rl import answer_count
+from ratchet.rl import answer_count, turn_advantages
 from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.wave import pick_tasks, wave_frame
 from ratchet.scale import executor_for
@@ -144,14 +145,28 @@ def reward_range(logic: RewardLogic, cfg: NightlyConfig) -> tuple[float, float]:
 
 
 def learning_signal(frame: pl.DataFrame, cfg: NightlyConfig) -> pl.Series:
-    """Per row, what the trainer's zero-variance rule compares within a group (`rl.drop_zero_variance`):
-    the reward, or with per-turn credit the episode's turn states (`turn_states`): a group whose
-    episodes all end on one reward but reach it at different turns still trains. Null where no reward."""
+    """Per row, what the trainer's zero-variance rule compares within a group (`rl.drop_zero_variance`),
+    equal on every row of a group that gives it nothing to learn: the reward, or with per-turn credit
+    the advantage of each of the row's turns (`turn_advantages` over its group, as the trainer computes
+    them): a group whose episodes all end on one reward but reach it at different turns still trains,
+    and one whose turn states differ only where nothing is compared (after an episode's last answer, a
+    lone revision, across `agent.branch` tuples) does not. A group that an env_error leaves incomplete,
+    which the trainer never sees, by its episodes' turn states (`turn_states`). Null where no reward."""
     if not (cfg.agent.turns > 1 and cfg.agent.credit == "turn"):
         return frame["reward"].alias("signal")
-    states = [None if r is None or not ts else turn_states(ts, cfg.agent.turns, cfg.agent.turn_penalty)
-              for r, ts in zip(frame["reward"], frame["turns"].to_list())]
-    return pl.Series("signal", states, dtype=pl.List(pl.Float64))
+    turns = frame["turns"].to_list()
+    signal = [None if r is None or not ts else turn_states(ts, cfg.agent.turns, cfg.agent.turn_penalty)
+              for r, ts in zip(frame["reward"], turns)]
+    size = cfg.rollout.group_size
+    complete = frame.with_row_index("_row").filter(pl.col("group_id").is_in(_complete_groups(frame, size).implode()))
+    for rows in complete.group_by("group_id", maintain_order=True).agg("_row")["_row"].to_list():
+        if any(signal[i] is None for i in rows):   # a row without turns: the trainer refuses the wave by name
+            continue
+        adv = turn_advantages(cfg.rl.estimator, torch.tensor([signal[i] for i in rows]), size,
+                              torch.tensor([len(turns[i]) for i in rows]), cfg.agent.branch)  # [G, K]
+        for i, a in zip(rows, adv.tolist()):
+            signal[i] = a
+    return pl.Series("signal", signal, dtype=pl.List(pl.Float64))
 
 
 def group_stats(frame: pl.DataFrame, cfg: NightlyConfig) -> dict:

@@ -190,6 +190,9 @@ def test_episode_metrics_by_hand():
     # action tokens per episode: 2, 2+3+4, 2+3, 9, 5, 9; observation tokens: 5 per turn but the last
     assert m["mean_action_tokens"] == pytest.approx((2 + 9 + 5 + 9 + 5 + 9) / 6)
     assert m["mean_observation_tokens"] == pytest.approx((0 + 10 + 5 + 10 + 5 + 10) / 6)
+    copies = [turn_records(r) for r in results]
+    copies[1][0]["shared"] = True           # its first answer a copy of another's (agent.branch): not sampled
+    assert episode_metrics(copies, 3)["mean_action_tokens"] == pytest.approx((2 + 7 + 5 + 9 + 5 + 9) / 6)
     assert m["ends"] == {"passed": 3, "turns": 2, "context": 1}
     assert m["repeat_rate"] == pytest.approx(1 / 8)       # 8 revisions (2 + 1 + 2 + 1 + 2), one repeat
     bare = [[{k: v for k, v in t.items() if k != "action"} for t in turn_records(r)] for r in results]

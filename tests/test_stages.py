@@ -173,7 +173,9 @@ def test_a_group_that_reaches_one_reward_at_different_turns_has_signal_under_per
         assert group_stats(frame, cfg)["groups_zero_variance"] == zero_variance
         report = check_wave(frame, GateConfig(max_zero_variance_frac=0.5), signal=learning_signal(frame, cfg))
         assert report.success == (zero_variance == 1), report.failures
-    assert learning_signal(frame, cfg).to_list()[:2] == [[1.0, 1.0], [0.0, 1.0]]
+    signal = learning_signal(frame, cfg).to_list()     # the advantages of each turn: + / - at turn 1, none at turn 2
+    assert signal[0] == pytest.approx([2 ** -0.5, 0.0], rel=1e-4) and signal[1] == pytest.approx([-(2 ** -0.5), 0.0], rel=1e-4)
+    assert signal[2:] == [[0.0, 0.0], [0.0, 0.0]]
 
 
 def test_the_gate_bounds_widen_by_every_shaping_a_reward_can_take():

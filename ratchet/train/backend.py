@@ -161,7 +161,8 @@ class Trainer(ABC):
 
         Group estimators: per prompt group, from the rewards (minus kl_coef * sum_t KL_t with
         kl_in_reward); with drop_zero_variance a group whose rewards are all equal is dropped
-        (its advantages are 0: no policy gradient). GAE: per token, over the value head's V(s_t)
+        (its advantages are 0: no policy gradient), and with per-turn credit a group whose every
+        advantage is 0 (`ratchet.stages.learning_signal` counts the same groups). GAE: per token, over the value head's V(s_t)
         before this epoch, whitened over the wave, with the returns and old values of the value loss.
         """
         if any(s.reward is None for s in samples):
@@ -179,11 +180,10 @@ class Trainer(ABC):
         groups: dict[str, list[TrainSample]] = {}
         for s in samples:
             groups.setdefault(s.group, []).append(s)
-        if self.rl.drop_zero_variance:   # per turn: a group whose every turn has one value
-            values = (lambda s: tuple(s.turn_rewards)) if per_turn else (lambda s: s.reward)
-            groups = {g: rows for g, rows in groups.items() if len({values(s) for s in rows}) > 1}
         if per_turn:
             return self._turn_advantages(list(groups.values()))
+        if self.rl.drop_zero_variance:
+            groups = {g: rows for g, rows in groups.items() if len({s.reward for s in rows}) > 1}
         kept = [s for rows in groups.values() for s in rows]
         rewards = self._token_pass(kept, kl_reward) if kl_reward else {id(s): s.reward for s in kept}
         out: dict[int, float] = {}
@@ -195,7 +195,10 @@ class Trainer(ABC):
     def _turn_advantages(self, groups: list[list[TrainSample]]) -> list[TrainSample]:
         """Per-turn credit: the estimator per turn over the groups' state values, a revision against the
         group's other revisions at its turn (`turn_advantages`), each answer's tokens given its turn's
-        advantage (`spread_over_turns`)."""
+        advantage (`spread_over_turns`). With drop_zero_variance, a group whose advantages are all 0 is
+        dropped: its turn states may still differ where nothing is compared (after an episode's last
+        answer, a revision with no other at its turn, across `agent.branch` tuples), and kept, its answers
+        would count in the loss's denominator and dilute the groups that train."""
         out: dict[int, list[float]] = {}
         branches = {s.branch for rows in groups for s in rows}
         if len(branches) > 1:
@@ -206,8 +209,10 @@ class Trainer(ABC):
             masks = [loss_mask_of(s) for s in flat]
             adv = turn_advantages(self.rl.estimator, torch.tensor([s.turn_rewards for s in flat]), size,
                                   torch.tensor([answer_count(m) for m in masks]), branch)  # [B*G, K]
-            out.update({id(s): spread_over_turns(a, m).tolist() for s, a, m in zip(flat, adv, masks)})
-        return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows]
+            signal = adv.view(-1, size, adv.shape[1]).ne(0).flatten(1).any(1)  # [B] False: a group that teaches nothing
+            out.update({id(s): spread_over_turns(a, m).tolist() for j, (s, a, m) in enumerate(zip(flat, adv, masks))
+                        if signal[j // size] or not self.rl.drop_zero_variance})
+        return [replace(s, advantage=None, token_advantages=out[id(s)]) for rows in groups for s in rows if id(s) in out]
 
     def _gae_advantages(self, samples: list[TrainSample], kl_reward: bool) -> list[TrainSample]:
         per_sample = self._token_pass(samples, kl_reward, values=True)   # id -> (adv [c], returns [c], values [c])

@@ -227,3 +227,48 @@ def test_from_a_scored_frame_to_stored_token_advantages():
         bad = frame.with_columns(pl.Series("loss_mask", [None, mask], dtype=pl.List(pl.Int8)))
         with pytest.raises(ValueError, match=error):
             train_samples(bad, lambda ps: [[1, 2] for _ in ps], cfg)
+
+
+def test_a_group_whose_turn_states_differ_only_where_nothing_is_compared_teaches_nothing():
+    """Per-turn credit compares first answers within the group and a revision with the other revisions
+    at its turn (within its tuple at turn 2 with agent.branch). Group "tuples" (branch 2): every first
+    answer fails alike, and the two revisions of each first answer score alike (1, 1 and 0.5, 0.5), so
+    every advantage is 0 although the turn states differ; group "lone" (branch 1): one episode ended
+    on the context after turn 1, the other revised alone. The trainer drops both, as it drops a group of
+    equal rewards (kept, their answers would count in the loss's denominator), and the wave's figures
+    and gate count them as groups without a learning signal; group "fixed" trains."""
+    from ratchet.config import GateConfig
+    from ratchet.data.gates import check_wave
+    from ratchet.stages import group_stats, learning_signal
+
+    def row(group: str, i: int, rewards: list[float]) -> dict:
+        n = 4 * len(rewards) - 1   # answers of 3 tokens, observations of 1
+        mask = ([1, 1, 1, 0] * len(rewards))[:n]
+        return {"run_id": "r", "step": 0, "policy_version": 0, "task_id": f"t{group}", "family": "f", "difficulty": 1,
+                "group_id": group, "sample_idx": i, "prompt": "p", "completion": "c", "prompt_tokens": 1,
+                "completion_tokens": n, "completion_ids": list(range(20, 20 + n)), "behavior_logprobs": [-1.0] * n,
+                "loss_mask": mask, "reward": rewards[-1], "env_error": False,
+                "turns": [{"turn": k, "action": f"a{i}{k}", "observation": None, "action_tokens": 3,
+                           "observation_tokens": 1, "metrics": None, "feedback": None, "passed": r == 1.0,
+                           "reward": r, "env_error": False} for k, r in enumerate(rewards)]}
+
+    waves = {2: {"tuples": [[0.0, 1.0], [0.0, 1.0], [0.0, 0.5], [0.0, 0.5]],
+                 "fixed": [[0.0, 1.0], [0.0, 0.0], [1.0], [1.0]]},
+             1: {"lone": [[0.0], [0.0, 1.0]], "fixed": [[0.0, 1.0], [0.0, 0.0]]}}
+    for branch, groups in waves.items():
+        size = 4 if branch == 2 else 2
+        frame = trajectories_frame([row(g, i, rs) for g, eps in groups.items() for i, rs in enumerate(eps)])
+        cfg = NightlyConfig(rollout=RolloutConfig(group_size=size),
+                            agent=AgentConfig(turns=2, credit="turn", branch=branch))
+        samples = train_samples(frame, lambda ps: [[1, 2] for _ in ps], cfg)
+        assert {s.group for s in samples if s.turn_rewards != samples[0].turn_rewards}   # the states differ
+        trainer = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(), cfg.rl)
+        assert {s.group for s in trainer.assign_advantages(samples)} == {"fixed"}
+        kept = TorchTrainer(tiny.model(), tiny.tokenizer().pad_token_id, TrainConfig(),
+                            cfg.rl.model_copy(update={"drop_zero_variance": False})).assign_advantages(samples)
+        assert {s.group for s in kept} == set(groups)
+        assert all(a == 0.0 for s in kept if s.group != "fixed" for a in s.token_advantages)
+        assert group_stats(frame, cfg)["groups_zero_variance"] == 1
+        signal = learning_signal(frame, cfg)
+        report = check_wave(frame, GateConfig(max_zero_variance_frac=0.4), signal=signal)
+        assert [f.check for f in report.failures] == ["zero_variance_groups"]
