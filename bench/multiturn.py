@@ -35,7 +35,10 @@
    difficulties, as `steps` was a bound of 10,000 waves).
    Every run is a process of its own on half the cores, two at a time, the K-turn runs first (they
    take 2-3.5x as long), so that the cores stay busy across seeds (training is bit-identical
-   across thread counts, DESIGN.md "Determinism").
+   across thread counts, DESIGN.md "Determinism"). Each run reports `no_signal_groups`: the share of
+   its groups (scored whole) that gave the trainer nothing to learn (`stages.learning_signal` all
+   equal: every episode alike, mostly a task whose eight first answers all passed), whose sampled
+   tokens count against the budget all the same.
 3. The warm start and both final policies are evaluated on the same held-out tasks in K-turn mode,
    greedy: pass@1 after turn 1 (the single-turn figure), after the last turn, and the fix rate
    (episodes that failed turn 1 and passed later, over those that failed turn 1), the repeat rate
@@ -157,6 +160,7 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
     judged = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"turns": args.turns})})  # evaluated K-turn
     policy = bootstrap_policy.fn(run_id, cfg, train_refs)
     sampled, step, t0, rewards, at = 0, 0, time.perf_counter(), [], []
+    silent = whole = 0    # groups scored whole, and of them those with no learning signal (they train nothing)
     marks = eval_marks(args)
     while sampled < args.budget:
         clock = cfg.model_copy(update={"steps": planned_waves(step, sampled, args.budget)})
@@ -165,6 +169,8 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
         policy, _ = train_epoch.fn(policy, gate_wave.fn(scored, train_refs, cfg), cfg)
         sampled += rollout_stats["sampled_tokens"]
         rewards.append(wave_stats["reward_mean"])
+        silent += wave_stats["groups_zero_variance"]
+        whole += wave_stats["groups"] - wave_stats["groups_env_error"]
         step += 1
         while marks and sampled >= marks[0]:            # a held-out evaluation on the way (--eval-at), as a nightly's
             policy = checkpoint_policy.fn(policy, cfg)  # checkpoint_every does
@@ -176,7 +182,8 @@ def train(store: Path, run_id: str, args, seed: int, turns: int, model_path: str
     note(f"{run_id}: {step} waves, {sampled} sampled tokens", t0)
     policy = checkpoint_policy.fn(policy, cfg)
     return {**held_out(policy, heldout, judged), "waves": step, "sampled_tokens": sampled, "train_s": round(wall, 1),
-            "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4), "at": at}
+            "reward_first": round(rewards[0], 4), "reward_last": round(rewards[-1], 4),
+            "no_signal_groups": round(silent / whole, 4) if whole else None, "at": at}
 
 
 def paired(multi: dict, single: dict) -> dict:
@@ -295,7 +302,7 @@ def main() -> None:
 
     def summary(side: str) -> dict:
         out = {}
-        for k in ("pass_turn1", "pass_last", "fix_rate", "repeat_rate", "waves", "sampled_tokens", "train_s"):
+        for k in ("pass_turn1", "pass_last", "fix_rate", "repeat_rate", "no_signal_groups", "waves", "sampled_tokens", "train_s"):
             values = [r[side][k] for r in per_seed]
             known = [v for v in values if v is not None]      # repeat_rate: None where no episode revised
             out[k] = round(statistics.fmean(known), 4) if known else None
