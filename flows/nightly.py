@@ -88,11 +88,11 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
                         wave_stats["reward_mean"], train_stats.get("train_samples", 0))
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 lease.check()
-                policy = checkpoint_policy(policy, cfg)
+                policy = checkpoint_policy(policy, cfg, lease.token)
         publish_curves(run_id, cfg)
         if policy.checkpoint_version != policy.version:
             lease.check()
-            policy = checkpoint_policy(policy, cfg)
+            policy = checkpoint_policy(policy, cfg, lease.token)
 
         final = evaluate(policy, heldout, cfg)
         incumbent = evaluate_incumbent(policy, heldout, cfg)

@@ -14,7 +14,7 @@ from ratchet.config import NightlyConfig
 from ratchet.rollout.behaviour import check_staleness, cpu_share
 from ratchet.store import Ref, open_store
 from ratchet.train import session as sessions
-from ratchet.train.checkpoint import load_latest, save_checkpoint
+from ratchet.train.checkpoint import load_latest, rewind_latest, save_checkpoint
 from ratchet.scratch import scratch_dir
 from tasks.evaluate import set_aside_evaluations
 from tasks.retry import transient_only
@@ -32,6 +32,10 @@ def bootstrap_policy(run_id: str, cfg: NightlyConfig, train: list[Ref]) -> sessi
             ref, _ = found
             logger.info("resuming run %s from %s", run_id, ref.uri)
             session = sessions.restore(sessions.PolicyRef(run_id=run_id, version=-1, checkpoint=ref), cfg)
+            rejected = rewind_latest(store, run_id, ref)    # fell back past checkpoints that did not verify
+            if rejected:
+                logger.warning("checkpoint(s) %s of run %s did not verify: set aside (runs/%s/checkpoints/rejected/), "
+                               "LATEST back at the one resumed from", rejected, run_id, run_id)
             moved = set_aside_evaluations(store, run_id, session.version)   # later versions are trained again
             if moved:
                 logger.info("evaluations of versions past v%d set aside (runs/%s/eval/superseded/): %s",
@@ -90,6 +94,7 @@ def train_epoch(policy: sessions.PolicyRef, wave: Ref, cfg: NightlyConfig) -> tu
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
-def checkpoint_policy(policy: sessions.PolicyRef, cfg: NightlyConfig) -> sessions.PolicyRef:
-    """Weights, optimizer, RNG and ledger to the store; LATEST written last."""
-    return sessions.save_session(sessions.open_session(policy, cfg), open_store(cfg.store))
+def checkpoint_policy(policy: sessions.PolicyRef, cfg: NightlyConfig, lease: str | None = None) -> sessions.PolicyRef:
+    """Weights, optimizer, RNG and ledger to the store; LATEST written last, if the run's lease record
+    still carries `lease` (the flow's lease token): LeaseLost if another writer took the run over."""
+    return sessions.save_session(sessions.open_session(policy, cfg), open_store(cfg.store), lease)

@@ -68,6 +68,14 @@ def open_store(uri, retry_budget_s: float | None = None) -> ArtifactStore:
 
 
 def _check_identity(store: ArtifactStore) -> None:
+    # one process at a time (a local store): two that open a fresh store together would each write an
+    # id, and the one whose id was overwritten would stop at its next open with a false StoreLost. S3
+    # has no lock: two processes creating one fresh bucket prefix in the same moment can still race.
+    with store._one_at_a_time("identity"):
+        _check_identity_locked(store)
+
+
+def _check_identity_locked(store: ArtifactStore) -> None:
     try:
         stream, _ = store._open(IDENTITY_KEY)
         with stream:

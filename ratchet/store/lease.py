@@ -5,6 +5,7 @@
         lease.start_heartbeat()          # a daemon thread renews every ttl_s / 3 ...
         ...                              # ... or call lease.heartbeat() between steps yourself
         save_checkpoint(store, run_id, version, write, lease=lease)       # renews; LeaseLost if taken over
+        save_checkpoint(store, run_id, version, write, lease=lease.token) # elsewhere (a task): LeaseLost if taken over
         lease.check()                    # LeaseLost if the background beat found a takeover
 
 The record is `runs/<run_id>/LEASE` (JSON: owner, token, host, pid, acquired_at, heartbeat_at,
@@ -29,7 +30,9 @@ contender's step (1) -> (2) takes less than settle_s. What is NOT covered, hones
 - a contender that stalls between (1) and (2) for longer than settle_s (a GC pause, a slow
   request) can overwrite a lease already won: both believe they hold it until the loser's next
   `heartbeat()`, which finds the other token and raises LeaseLost. The overlap lasts at most
-  one heartbeat interval; `save_checkpoint(..., lease=)` renews right before moving LATEST.
+  one heartbeat interval; `save_checkpoint(..., lease=)` renews (given the RunLease) or checks the
+  record still carries the holder's token (given the token: the flow's checkpoint task does) right
+  before moving LATEST.
 - a holder whose lease went stale (paused > ttl_s) may renew in the instant after a takeover
   and overwrite the new record; then the new holder's next heartbeat raises LeaseLost. Again
   exactly one survives, after at most one interval.
@@ -99,6 +102,18 @@ class LeaseHeld(RuntimeError):
 
 class LeaseLost(RuntimeError):
     """This owner's lease was taken over (or deleted): stop writing to the run."""
+
+
+def require_holder(store: ArtifactStore, run_id: str, token: str) -> None:
+    """LeaseLost unless the run's lease record still carries `token` (a holder's `RunLease.token`): for a
+    writer that is not the lease's holder object (a task, perhaps on another worker), which cannot renew
+    it but must not write past a takeover."""
+    rec = RunLease(store, run_id)._read()
+    if rec is None or rec["token"] != token:
+        whom = "deleted (or made unreadable)" if rec is None else \
+            f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
+        raise LeaseLost(f"run {run_id!r}: the lease this writer works under was {whom}; "
+                        f"stop writing, another writer owns this run now")
 
 
 class RunLease:

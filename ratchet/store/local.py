@@ -58,6 +58,15 @@ class LocalStore(ArtifactStore):
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    @contextmanager
+    def _one_at_a_time(self, name: str):
+        with open(self._locks / f"op-{name}", "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
     def _write(self, key: str, data: bytes | Path, sha256: str, size: int, rows: int | None) -> None:
         dest, meta = self.root / key, self._meta_path(key)
         tmp_data, tmp_meta = self._tmpfile(), self._tmpfile()

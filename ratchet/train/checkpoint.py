@@ -19,6 +19,7 @@ At the start of a run, holding its lease (ratchet/store/lease.py):
 
     removed = clean_partial(store, run_id)          # leftovers of an interrupted save
     found = load_latest(store, run_id, dest)        # None: fresh run; NoUsableCheckpoint: stop
+    rewind_latest(store, run_id, found[0])          # it fell back past a corrupt LATEST: set those aside
 """
 
 from __future__ import annotations
@@ -133,24 +134,60 @@ def save_checkpoint(store: ArtifactStore, run_id: str, version: int, write_files
 
     Raises CheckpointBehindLatest if `version` is older than the one LATEST points to (checked
     before the upload and again before LATEST is moved). Saving LATEST's own version again (a
-    retried task) is allowed. `lease` (a held `RunLease`) is renewed before the upload and
+    retried task) is allowed. `lease` (a held `RunLease`, renewed; or its token, from a task that
+    does not hold the object: the record must still carry it) is checked before the upload and
     before LATEST moves, so a writer whose lease was taken over stops with LeaseLost.
     The local temp directory is removed whatever happens; an interrupted upload leaves a
     folder without a manifest, which `clean_partial` removes."""
     if version < 0:
         raise ValueError(f"run {run_id!r}: checkpoint version must be >= 0, got {version}")
     _refuse_if_behind(store, run_id, version)
-    if lease is not None:
-        lease.heartbeat()
+    _still_held(store, run_id, lease)
     with scratch_dir("ckpt") as tmp:  # removed on any exception too
         write_files(Path(tmp))
         ref = store.put_dir(checkpoint_prefix(run_id, version), tmp)
     _refuse_if_behind(store, run_id, version)  # LATEST may have moved during a long upload
-    if lease is not None:
-        lease.heartbeat()
+    _still_held(store, run_id, lease)
     faults.point("checkpoint.latest")
     store.set_pointer(latest_key(run_id), ref)
     return ref
+
+
+def rewind_latest(store: ArtifactStore, run_id: str, resumed: Ref) -> list[int]:
+    """After `load_latest` resumed from `resumed` past newer checkpoints that did not verify: LATEST
+    (or, where it is unusable, the newest complete checkpoint) is ahead of the run, and every save of
+    a version in between would be refused as behind it (CheckpointBehindLatest), so the run could
+    never checkpoint again. Those checkpoints (every complete version newer than `resumed`'s: newest
+    first, `load_latest` tried each and rejected it) are moved, as stored, to
+    runs/<id>/checkpoints/rejected/<version>-<n>/ (kept, not lost; the manifest last, so that a crash
+    part-way leaves a folder that is still complete and is moved again), then LATEST is pointed at
+    `resumed`: the one move backwards, made under the run's lease. Returns the versions set aside;
+    [] when LATEST is not ahead (nothing was rejected, or LATEST named `resumed`)."""
+    version = _version_of(run_id, resumed.key)
+    latest, _ = _latest_version(store, run_id)
+    if version is None or latest is None or latest <= version:
+        return []
+    rejected = [v for v in checkpoint_versions(store, run_id) if v > version]
+    for v in rejected:
+        prefix, aside = f"{checkpoint_prefix(run_id, v)}/", f"runs/{run_id}/checkpoints/rejected/{v:06d}-"
+        n = len({k[len(aside):].split("/")[0] for k in store.list(aside)})
+        for key in sorted(store.list(prefix), key=lambda k: k.endswith(f"/{MANIFEST}")):   # the manifest last
+            store.move_aside(key, f"{aside}{n}/{key[len(prefix):]}")
+    store.set_pointer(latest_key(run_id), resumed)
+    log.warning("run %r: checkpoint(s) %s did not verify: moved to runs/%s/checkpoints/rejected/; LATEST is "
+                "back at %06d, which the run resumed from", run_id, ", ".join(f"{v:06d}" for v in rejected),
+                run_id, version)
+    return rejected
+
+
+def _still_held(store: ArtifactStore, run_id: str, lease) -> None:
+    """LeaseLost if the writer's lease was taken over: a RunLease renews, a token is checked."""
+    from ratchet.store.lease import require_holder
+
+    if isinstance(lease, str):
+        require_holder(store, run_id, lease)
+    elif lease is not None:
+        lease.heartbeat()
 
 
 def checkpoint_versions(store: ArtifactStore, run_id: str) -> list[int]:

@@ -157,8 +157,9 @@ def publish(session: PolicySession) -> None:
             session.behaviour.publish(session.version, session.model, session.tokenizer)
 
 
-def save_session(session: PolicySession, store: ArtifactStore) -> PolicyRef:
-    """Write a complete checkpoint of the session (weights, trainer state, ledger) + LATEST."""
+def save_session(session: PolicySession, store: ArtifactStore, lease: str | None = None) -> PolicyRef:
+    """Write a complete checkpoint of the session (weights, trainer state, ledger) + LATEST; `lease`:
+    the run's lease token, which the lease record must still carry when LATEST moves."""
 
     def write(d: Path) -> None:
         with getattr(session.trainer, "gathered", contextlib.nullcontext)():   # ZeRO-3: whole weights
@@ -168,5 +169,5 @@ def save_session(session: PolicySession, store: ArtifactStore) -> PolicyRef:
             {"run_id": session.run_id, "version": session.version, "consumed_waves": session.consumed_waves}
         ))
 
-    ref = save_checkpoint(store, session.run_id, session.version, write)
+    ref = save_checkpoint(store, session.run_id, session.version, write, lease=lease)
     return session.ref(ref, session.version)

@@ -107,6 +107,23 @@ def test_garbage_latest_falls_back_to_the_newest_good_checkpoint(first_run):
     assert again["policy_version"] == 3 and again["final_pass_rate"] == summary["final_pass_rate"]
 
 
+def test_a_run_resumed_past_two_corrupt_checkpoints_trains_on_and_keeps_them(first_run):
+    """Versions 3 (LATEST) and 2 rot: the run resumes from 0 and trains versions 2 and 3 again, to the
+    same figures. It used to stop at its first checkpoint for good (CheckpointBehindLatest: LATEST was
+    at 3); the rotten ones are now set aside under checkpoints/rejected/."""
+    from flows.nightly import nightly
+
+    store_uri, summary = first_run
+    store = open_store(store_uri)
+    for v in (2, 3):
+        store.path(f"runs/r1/checkpoints/{v:06d}/model.safetensors").write_bytes(b"not the weights")
+    again = nightly(tiny(store_uri, run_id="r1"))
+    assert again["policy_version"] == 3 and again["final_pass_rate"] == summary["final_pass_rate"]
+    rejected = {k.split("/")[4] for k in store.list("runs/r1/checkpoints/rejected/")}
+    assert rejected == {"000002-0", "000003-0"}
+    assert store.get_pointer("runs/r1/checkpoints/LATEST").key == "runs/r1/checkpoints/000003/MANIFEST.json"
+
+
 def test_with_every_checkpoint_corrupt_the_run_stops_and_keeps_its_history(first_run):
     from flows.nightly import nightly
     from ratchet.train.checkpoint import NoUsableCheckpoint

@@ -75,3 +75,33 @@ def test_a_store_emptied_under_a_run_is_lost_not_fresh(own_server):
     with pytest.raises(StoreLost, match="lost the objects it held"):
         open_store(uri)
     assert not store.client.bucket_exists(store.bucket) or store.list() == []   # nothing written after
+
+
+OPENER = """
+import sys, time
+from ratchet.store import IDENTITY_KEY, local, open_store
+write = local.LocalStore._write
+def slow(self, key, *a):        # widen the window between reading "no marker" and writing one
+    if key == IDENTITY_KEY:
+        time.sleep(0.5)
+    return write(self, key, *a)
+local.LocalStore._write = slow
+open_store(sys.argv[1])
+time.sleep(1.5)                  # both have written by now
+open_store(sys.argv[1])          # each task of a run opens its store again
+print("ok")
+"""
+
+
+def test_two_processes_opening_one_fresh_store_agree_on_its_identity(tmp_path):
+    """Found by review: both read "no identity marker", both wrote one, and the process whose id was
+    overwritten stopped at its next open_store with a false StoreLost ("was the bucket emptied?")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", OPENER, str(tmp_path / "store")], cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and [o for o, _ in outs] == ["ok\n", "ok\n"], outs

@@ -13,7 +13,7 @@ import pytest
 from ratchet.store import open_store
 from ratchet.train.checkpoint import (
     CheckpointBehindLatest, NoUsableCheckpoint, checkpoint_versions, clean_partial, latest_key, load_latest,
-    save_checkpoint,
+    rewind_latest, save_checkpoint,
 )
 
 
@@ -49,6 +49,52 @@ def test_corrupt_latest_falls_back_to_the_previous_good_one(tmp_path, caplog):
     assert got.key == "runs/r/checkpoints/000001/MANIFEST.json"
     assert (path / "weights.bin").read_bytes().startswith(b"one")
     assert "unusable" in caplog.text and "000002" in caplog.text
+
+
+def test_a_run_resumed_past_corrupt_checkpoints_sets_them_aside_and_saves_again(tmp_path):
+    """Versions 2 and 3 rot; the run resumes from 1 and trains version 2 again. Before rewind_latest,
+    LATEST (at 3) refused that save for good, the message blaming another writer. The rotten
+    checkpoints are moved, bytes as they were, to checkpoints/rejected/, and LATEST goes back to 1."""
+    store = open_store(str(tmp_path / "s"))
+    for v, text in enumerate(("zero", "one", "two", "three")):
+        save_checkpoint(store, "r", v, _write(text))
+    for v in (2, 3):
+        store.path(f"runs/r/checkpoints/{v:06d}/weights.bin").write_bytes(b"bit rot")
+    resumed, _ = load_latest(store, "r", tmp_path / "dl")
+    assert resumed.key == "runs/r/checkpoints/000001/MANIFEST.json"
+    with pytest.raises(CheckpointBehindLatest, match="version 2 because LATEST points at .*000003"):
+        save_checkpoint(store, "r", 2, _write("two again"))
+    assert rewind_latest(store, "r", resumed) == [3, 2]
+    assert checkpoint_versions(store, "r") == [1, 0] and store.get_pointer(latest_key("r")).key == resumed.key
+    assert store.path("runs/r/checkpoints/rejected/000002-0/weights.bin").read_bytes() == b"bit rot"
+    assert sorted(store.list("runs/r/checkpoints/rejected/000003-0/")) == [
+        f"runs/r/checkpoints/rejected/000003-0/{name}" for name in ("MANIFEST.json", "ledger.json", "weights.bin")]
+    assert rewind_latest(store, "r", resumed) == []                    # LATEST is the one resumed from
+    save_checkpoint(store, "r", 2, _write("two again"))
+    got, path = load_latest(store, "r", tmp_path / "dl2")
+    assert got.key.endswith("000002/MANIFEST.json") and (path / "weights.bin").read_bytes().startswith(b"two again")
+    store.path("runs/r/checkpoints/000002/weights.bin").write_bytes(b"rot again")   # a second time: a second folder
+    assert rewind_latest(store, "r", load_latest(store, "r", tmp_path / "dl3")[0]) == [2]
+    assert store.list("runs/r/checkpoints/rejected/000002-1/")
+
+
+def test_rewind_leaves_a_run_whose_latest_verified_alone(tmp_path):
+    """A crash after version 3's manifest, before LATEST moved: the run resumes from LATEST (2) and
+    saves 3 again over it; nothing is set aside."""
+    store = open_store(str(tmp_path / "s"))
+    for v in (1, 2):
+        save_checkpoint(store, "r", v, _write(str(v)))
+    store.put_dir("runs/r/checkpoints/000003", _dir_of(tmp_path / "three", _write("3")))
+    resumed, _ = load_latest(store, "r", tmp_path / "dl")
+    assert resumed.key.endswith("000002/MANIFEST.json")
+    assert rewind_latest(store, "r", resumed) == [] and checkpoint_versions(store, "r") == [3, 2, 1]
+    save_checkpoint(store, "r", 3, _write("3"))
+
+
+def _dir_of(path: Path, write) -> Path:
+    path.mkdir()
+    write(path)
+    return path
 
 
 def test_no_checkpoint_is_none(tmp_path):
@@ -208,3 +254,27 @@ def test_a_writer_whose_lease_was_taken_over_does_not_move_latest(tmp_path):
     with pytest.raises(LeaseLost, match="taken over by owner 'new'"):
         save_checkpoint(store, "r", 2, slow_write, lease=mine)
     assert store.get_pointer(latest_key("r")).key.endswith("000001/MANIFEST.json")
+
+
+def test_a_task_that_saves_under_the_flows_lease_token_stops_at_a_takeover(tmp_path):
+    """Found by review: the flow's checkpoint task never passed the lease, so a writer paused past its
+    ttl that woke inside it moved LATEST while another owned the run. A task holds no RunLease, only
+    its token: the record must still carry it before the upload and before LATEST moves."""
+    from ratchet.store.lease import LeaseLost, RunLease
+
+    store = open_store(str(tmp_path / "s"))
+    now = [0.0]
+    clock, sleep = (lambda: now[0]), (lambda s: None)
+    mine = RunLease(store, "r", owner="old", ttl_s=60, clock=clock, sleep=sleep).acquire()
+    save_checkpoint(store, "r", 1, _write("one"), lease=mine.token)
+
+    def slow_write(d: Path):
+        _write("two")(d)
+        now[0] += 61
+        RunLease(store, "r", owner="new", ttl_s=60, clock=clock, sleep=sleep).acquire()
+
+    with pytest.raises(LeaseLost, match="lease this writer works under was taken over by owner 'new'"):
+        save_checkpoint(store, "r", 2, slow_write, lease=mine.token)
+    assert store.get_pointer(latest_key("r")).key.endswith("000001/MANIFEST.json")
+    with pytest.raises(LeaseLost, match="taken over"):
+        save_checkpoint(store, "r", 2, _write("two"), lease=mine.token)         # refused before any upload
