@@ -187,6 +187,8 @@ def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", f
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise LineError(("(json)", f"malformed JSON: {e.msg} at column {e.colno}")) from None
+            except RecursionError:   # one line nested thousands deep once stopped the whole import
+                raise LineError(("(json)", "JSON nested deeper than the parser goes")) from None
             if not isinstance(obj, dict):
                 raise LineError(("(line)", f"expected a JSON object, got {type(obj).__name__}"))
             spec = convert(obj, split=split, **kw)
@@ -210,7 +212,17 @@ def read_tasks(path: str | Path, fmt: str = "taskspec", family: str | None = Non
     """Every line of a JSONL file (.gz too) as a TaskSpec, or a BadLine saying why not."""
     path = Path(path)
     with _open_text(path) as f:
-        return parse_lines(f, fmt, str(path), family, split)
+        try:
+            return parse_lines(f, fmt, str(path), family, split)
+        except UnicodeDecodeError:   # raised by the reader mid-file: name the file, line and byte
+            data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = data.count(b"\n", 0, e.start) + 1
+                raise ValueError(f"{path}:{line}: not UTF-8 text: byte "
+                                 f"{data[e.start:e.start + 1]!r} at offset {e.start} ({e.reason})") from None
+            raise
 
 
 def write_quarantine(path: str | Path, bad: list[BadLine]) -> None:

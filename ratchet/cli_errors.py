@@ -61,11 +61,11 @@ def read_bytes(path: Path, what: str = "file") -> bytes:
         fail(f"cannot read {what}: {e.strerror or e}", path)
 
 
-def read_text(path: Path, what: str = "file") -> str:
+def read_text(path: Path, what: str = "file", data: bytes | None = None) -> str:
     """A UTF-8 text file (gunzipped if it ends in .gz; a leading BOM, as Windows editors write, dropped),
-    or fail naming why not."""
+    or fail naming why not. `data`: its bytes, already read."""
     path = Path(path)
-    data = read_bytes(path, what)
+    data = read_bytes(path, what) if data is None else data
     if path.suffix == ".gz":
         try:
             data = gzip.decompress(data)

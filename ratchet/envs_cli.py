@@ -50,7 +50,7 @@ def import_command(
     family: Optional[str] = typer.Option(None, help="Family of tasks that name none (default: 'imported', or 'humaneval')."),
     split: Optional[str] = typer.Option(None, help="train | heldout for tasks that name none (humaneval: heldout)."),
     store: str = typer.Option(StoreConfig().uri, help=describe(StoreConfig, "uri")),
-    version: str = typer.Option(EnvsConfig().version, help="Snapshot version prefix; the file's hash is appended."),
+    version: str = typer.Option(EnvsConfig().version, help="Snapshot version prefix; a hash of the file and of --format, --family and --split is appended."),
     quarantine: Optional[Path] = typer.Option(None, help="Where bad lines go (default: beside FILE, mytasks.jsonl -> "
                                                          "mytasks.quarantine.jsonl)."),
     audit: bool = typer.Option(False, "--audit", help="Audit the imported tasks in the sandbox."),
@@ -77,19 +77,22 @@ def import_command(
     for name, value in (("--family", family), ("--version", version)):
         if value is not None and not key_part(value):     # a line's own family: the schema's same rule
             fail(f"{value!r} cannot name a store folder: letters, digits and '._-' only", name)
-    if source_suffix(file.name) == ".parquet":    # a task table, read as `ratchet run --tasks` reads it
+    sfx = source_suffix(file.name)     # mytasks.jsonl (.jsonl.gz, .parquet) -> mytasks.quarantine.jsonl
+    qpath = quarantine or file.with_name((file.name[: -len(sfx)] if sfx else file.name) + ".quarantine.jsonl")
+    if qpath.resolve() == file.resolve():
+        fail("the quarantine file would overwrite the task file it reports on; name another", "--quarantine")
+    raw = read_bytes(file, "task file")       # what is parsed is what the version hashes
+    if sfx == ".parquet":    # a task table, read as `ratchet run --tasks` reads it
         try:
-            texts = parquet_lines(read_bytes(file, "task file"))
+            texts = parquet_lines(raw)
         except ValueError as e:
             fail(f"task file is {e}", file)
     else:
-        texts = read_text(file, "task file").split("\n")
+        texts = read_text(file, "task file", data=raw).split("\n")
     result = parse_lines(texts, format, str(file), family, split)
     for bad in result.bad:
         _err(bad.message())
     if result.bad:
-        sfx = source_suffix(file.name)     # mytasks.jsonl (.jsonl.gz, .parquet) -> mytasks.quarantine.jsonl
-        qpath = quarantine or file.with_name((file.name[: -len(sfx)] if sfx else file.name) + ".quarantine.jsonl")
         try:
             write_quarantine(qpath, result.bad)
         except OSError as e:
@@ -99,13 +102,15 @@ def import_command(
         fail("no good task line to import", file)
     for problem in check_store(store):
         fail(problem, "--store")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
+    digest = hashlib.sha256(raw).hexdigest()
+    options = json.dumps({"format": format, "family": family, "split": split}, sort_keys=True).encode()
+    tag = hashlib.sha256(raw + options).hexdigest()[:10]   # another --split or --family: another snapshot
     st = open_store(store)
     by_family = defaultdict(list)
     for spec in result.specs:
         by_family[spec.family].append(spec)
     for fam, specs in by_family.items():
-        ver = f"{version}-{digest[:10]}"
+        ver = f"{version}-{tag}"
         specs = [s.model_copy(update={"version": ver}) for s in specs]
         lineage = {"family": fam, "version": ver, "source": str(file), "source_sha256": digest, "format": format,
                    "counts": {"lines_ok": len(result.specs), "lines_bad": len(result.bad), "tasks": len(specs)}}

@@ -203,6 +203,9 @@ def task_checks(audited: bool) -> list[Check]:
         Check("spec_json_parses", "rows", lambda g: g.ExpectColumnValuesToBeJsonParseable(column="spec_json"),
               ("spec_json",), "spec_json holds the full task spec as JSON"),
     ]
+    # GX's in-set, regex and JSON expectations pass a null: each of those columns must also be present
+    checks += [Check(f"{column}_not_null", "rows", lambda g, c=column: g.ExpectColumnValuesToNotBeNull(column=c), (column,))
+               for column in ("split", "spec_json", "family", "version")]
     if audited:
         checks += [
             Check("verdict_present", "rows", lambda g: g.ExpectColumnValuesToNotBeNull(column="verdict"), ("verdict",),

@@ -235,8 +235,11 @@ def test_clean_task_tables_pass():
         (lambda df: df.with_columns(pl.lit("{not json").alias("spec_json")), "spec_json_parses", "spec_json"),
         (lambda df: df.drop("prompt"), "columns_present", None),
         (lambda df: df.with_columns(pl.col("difficulty").cast(pl.String)), "column_types", "difficulty"),
+        *[(lambda df, c=c: df.with_columns(pl.when(pl.col("task_id").str.ends_with("/2")).then(None).otherwise(c).alias(c)),
+           f"{c}_not_null", c) for c in ("split", "spec_json", "family", "version")],   # GX's in-set and JSON checks pass a null
     ],
-    ids=["dup_id", "empty_prompt", "blank_prompt", "difficulty_6", "difficulty_0", "split", "spec_json", "no_prompt", "difficulty_str"],
+    ids=["dup_id", "empty_prompt", "blank_prompt", "difficulty_6", "difficulty_0", "split", "spec_json", "no_prompt", "difficulty_str",
+         "null_split", "null_spec_json", "null_family", "null_version"],
 )
 def test_bad_task_tables(mutate, check, column):
     report = check_tasks(mutate(task_table()))

@@ -336,3 +336,31 @@ def test_humaneval_164_import_and_audit():
     bad = [(v.task_id, v.verdict, v.reason) for v in verdicts if v.verdict not in ("pass", "weak_tests")]
     assert not bad, bad        # every canonical solution passes (3 runs), every trivial answer fails
     print(f"HumanEval 164: audit {wall:.1f} s; weak tests: {sum(v.verdict == 'weak_tests' for v in verdicts)}")
+
+
+def test_a_line_nested_past_the_parser_is_quarantined_and_a_bad_byte_is_named(tmp_path):
+    """Found by review: a line of 100,000 '[' stopped the whole import with a RecursionError naming no
+    line; `read_tasks` on a file with one non-UTF-8 byte raised a bare UnicodeDecodeError."""
+    res = parse_lines(lines(GOOD) + ["[" * 100_000, lines(GOOD | {"task_id": "t2"})[0]], source="d.jsonl")
+    assert [s.task_id for s in res.specs] == ["t1", "t2"]
+    assert [m for b in res.bad for m in b.messages()] == ["d.jsonl:2: field '(json)': JSON nested deeper than the parser goes"]
+    (tmp_path / "n.jsonl").write_bytes(("\n".join(lines(GOOD, GOOD | {"task_id": "t2"})) + "\n").encode() + b"\xff\n")
+    with pytest.raises(ValueError, match=r"n.jsonl:3: not UTF-8 text: byte b'\\xff' at offset \d+ \(invalid start byte\)"):
+        read_tasks(tmp_path / "n.jsonl")
+
+
+def test_cli_never_writes_the_quarantine_over_its_input_and_versions_the_options(tmp_path):
+    """Found by review: `--quarantine` naming the task file overwrote it with the bad lines (the good
+    ones lost from disk), and the snapshot's version hashed the file alone, so the same file imported
+    with another --split reused the first import's snapshot, splits and all."""
+    tasks, store = tmp_path / "m.jsonl", tmp_path / "store"
+    text = "\n".join(lines(GOOD, GOOD | {"task_id": "t2", "difficulty": 9})) + "\n"
+    tasks.write_text(text)
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store), "--quarantine", str(tasks)])
+    assert res.exit_code == 2 and "would overwrite the task file" in res.stderr and tasks.read_text() == text, res.output
+    versions = set()
+    for split in ("train", "heldout"):
+        res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store), "--split", split])
+        assert res.exit_code == 2 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
+        versions.add(json.loads(res.stdout.splitlines()[-1])["version"])
+    assert len(versions) == 2
