@@ -31,6 +31,7 @@ easy first (`default_curriculum`).
 
 from __future__ import annotations
 
+import decimal
 import gzip
 import hashlib
 import inspect
@@ -150,7 +151,19 @@ def parquet_lines(data: bytes) -> list[str]:
         raise ValueError(f"not a readable Parquet file ({type(e).__name__})") from None
     if "spec_json" in table.columns:         # ratchet's own task table
         return [str(j) for j in table["spec_json"]]
-    return [json.dumps(_no_nulls(row), default=str) for row in table.iter_rows(named=True)]
+    binary = [c for c, dtype in table.schema.items() if "Binary" in str(dtype)]
+    if binary:     # json.dumps(default=str) turned b"def f" into the text "b'def f'"
+        raise ValueError(f"a table with bytes (Binary) in column(s) {binary}: task fields are text, "
+                         f"write them as UTF-8 strings")
+    return [json.dumps(_no_nulls(row), default=_json_value) for row in table.iter_rows(named=True)]
+
+
+def _json_value(value):
+    """What JSON has no type for: a Decimal as the number it is (a whole one as an int, so that a
+    difficulty of Decimal("2") reads as 2, not "2"), anything else (dates) as its text."""
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() else float(value)
+    return str(value)
 
 
 def _no_nulls(value):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from ratchet.sandbox.model import Limits
 
@@ -24,9 +25,18 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class Frozen(BaseModel):
-    """Base for every config: immutable, unknown keys are an error."""
+    """Base for every config: immutable, unknown keys are an error, and so is true or false where a
+    number goes (pydantic's lax mode reads `"steps": true` as 1)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info) -> Any:
+        kinds = set(get_args(cls.model_fields[info.field_name].annotation)) or {cls.model_fields[info.field_name].annotation}
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise PydanticCustomError("bool_for_number", "expected a number, not true or false")
+        return value
 
 
 def describe(section: type[BaseModel], name: str) -> str:

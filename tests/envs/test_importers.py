@@ -364,3 +364,22 @@ def test_cli_never_writes_the_quarantine_over_its_input_and_versions_the_options
         assert res.exit_code == 2 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
         versions.add(json.loads(res.stdout.splitlines()[-1])["version"])
     assert len(versions) == 2
+
+
+def test_a_parquet_table_of_bytes_is_refused_by_column_and_a_decimal_is_its_number(tmp_path):
+    """Found by review: a Binary `prompt` column was imported as the text "b'def f(x):...'" (exit 0), and
+    a Decimal difficulty of 2 was quarantined as `got "2"`."""
+    import decimal
+
+    import polars as pl
+
+    store = tmp_path / "store"
+    pl.DataFrame([GOOD]).with_columns(pl.col("prompt").cast(pl.Binary)).write_parquet(tmp_path / "b.parquet")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "b.parquet"), "--store", str(store)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.stderr.startswith("error: task file is a table with bytes (Binary) in column(s) ['prompt']: task fields "
+                                 "are text"), res.stderr
+    pl.DataFrame([GOOD]).with_columns(pl.lit(decimal.Decimal(2)).cast(pl.Decimal(5, 0)).alias("difficulty")) \
+        .write_parquet(tmp_path / "d.parquet")
+    res = CliRunner().invoke(app, ["import", str(tmp_path / "d.parquet"), "--store", str(store)])
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
