@@ -64,6 +64,7 @@ class ImportedSource:
     source: str
     production: Production
     bad: list[BadLine] = field(default_factory=list)
+    dropped: list[dict] = field(default_factory=list)   # tasks the cleaning left out: task_id, split, reason
 
 
 def source_suffix(source: str) -> str | None:
@@ -229,8 +230,8 @@ def import_source(source: str, data: bytes, cfg: EnvsConfig) -> ImportedSource:
     version = f"{cfg.version}-{fp}"
     held_in = [s for s in res.specs if s.split == "heldout"]
     train_in = [s for s in res.specs if s.split == "train"]
-    heldout, held_counts = _clean(held_in, c, "heldout")
-    train, train_counts = _clean(train_in, c, "train", ngrams(heldout, c.ngram))
+    heldout, held_counts, held_dropped = _clean(held_in, c, "heldout")
+    train, train_counts, train_dropped = _clean(train_in, c, "train", ngrams(heldout, c.ngram))
     stamp = lambda specs: [s.model_copy(update={"version": version}) for s in specs]  # noqa: E731
     lineage = {
         "family": name, "version": version, "source": source, "source_sha256": digest, "format": source_suffix(source),
@@ -238,38 +239,48 @@ def import_source(source: str, data: bytes, cfg: EnvsConfig) -> ImportedSource:
         "counts": {"lines_ok": len(res.specs), "lines_bad": len(res.bad), "split_declared": declared,
                    "train": train_counts, "heldout": held_counts},
         "bad_lines": "bad_lines.jsonl" if res.bad else None,
+        "dropped": "dropped.jsonl" if held_dropped or train_dropped else None,
     }
-    return ImportedSource(name, source, Production(name, version, stamp(train), stamp(heldout), lineage), res.bad)
+    return ImportedSource(name, source, Production(name, version, stamp(train), stamp(heldout), lineage), res.bad,
+                          held_dropped + train_dropped)
 
 
-def _clean(specs: list[TaskSpec], c, split: str, heldout_grams: set[str] | None = None) -> tuple[list[TaskSpec], dict]:
-    """The specs that survive exact / near dedup (and, for training, the contamination check)."""
-    cleaner, kept, contaminated = _Cleaner(c, split), [], 0
+def _clean(specs: list[TaskSpec], c, split: str,
+           heldout_grams: set[str] | None = None) -> tuple[list[TaskSpec], dict, list[dict]]:
+    """The specs that survive exact / near dedup (and, for training, the contamination check), the
+    counts, and each one left out: {task_id, split, reason}."""
+    cleaner, kept, dropped = _Cleaner(c, split), [], []
     for s in specs:
-        if heldout_grams is not None and overlap(s.prompt, heldout_grams, c.ngram) >= c.contamination_threshold:
-            contaminated += 1
+        shared = overlap(s.prompt, heldout_grams, c.ngram) if heldout_grams is not None else 0.0
+        exact = cleaner.exact
+        if heldout_grams is not None and shared >= c.contamination_threshold:
+            reason = f"contaminated: {shared:.0%} of its prompt's {c.ngram}-word sequences are in held-out prompts"
         elif cleaner.admit(s):
             kept.append(s)
+            continue
+        else:
+            reason = f"{'exact' if cleaner.exact > exact else 'near'} duplicate of an earlier {split} prompt"
+        dropped.append({"task_id": s.task_id, "split": split, "reason": reason})
     counts = {"imported": len(specs), "exact_duplicates": cleaner.exact, "near_duplicates": cleaner.near,
               "kept": len(kept)}
     if heldout_grams is not None:
-        counts["contaminated"] = contaminated
-    return kept, counts
+        counts["contaminated"] = sum(d["reason"].startswith("contaminated") for d in dropped)
+    return kept, counts, dropped
 
 
 def save_source(st, imp: ImportedSource) -> dict:
     """The snapshot (as `save_production` writes a family's) and, beside it, the bad lines with
-    every error (`bad_lines.jsonl`, one JSON object a line). Refs: train, heldout, lineage, bad_lines."""
+    every error (`bad_lines.jsonl`) and the good tasks the cleaning left out with why (`dropped.jsonl`),
+    one JSON object a line. Refs: train, heldout, lineage, bad_lines, dropped (None when empty)."""
     from envs.snapshot import prefix, save_production
 
     refs = save_production(st, imp.production)
-    refs["bad_lines"] = None
-    if imp.bad:
-        key = f"{prefix(imp.name, imp.production.version)}/bad_lines.jsonl"
-        body = "".join(json.dumps({"source": b.source, "line": b.line,
-                                   "errors": [{"field": f, "error": e} for f, e in b.errors],
-                                   "message": b.message(), "raw": b.raw}) + "\n" for b in imp.bad)
-        refs["bad_lines"] = st.ref(key) if st.exists(key) else st.put_bytes(key, body.encode())
+    bad = [{"source": b.source, "line": b.line, "errors": [{"field": f, "error": e} for f, e in b.errors],
+            "message": b.message(), "raw": b.raw} for b in imp.bad]
+    for name, rows in (("bad_lines", bad), ("dropped", imp.dropped)):
+        key = f"{prefix(imp.name, imp.production.version)}/{name}.jsonl"
+        body = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        refs[name] = None if not rows else st.ref(key) if st.exists(key) else st.put_bytes(key, body)
     return refs
 
 

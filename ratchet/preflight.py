@@ -413,9 +413,10 @@ def _envs(cfg: NightlyConfig) -> list[str]:
 
 def _sources(cfg: NightlyConfig) -> list[str]:
     """Each task source can be read, imports at least one good task (bad lines are the run's to
-    quarantine; a file with no good line is a problem now) and has tasks of both splits: the run
-    gates each source's audited train and held-out tables as non-empty, after auditing them all."""
-    from envs.sources import SourceError, parse_source, read_source
+    quarantine; a file with no good line is a problem now) and has tasks of both splits, before and
+    after dedup and decontamination (`import_source`, as the run cleans it): the run gates each
+    source's audited train and held-out tables as non-empty, after auditing them all."""
+    from envs.sources import SourceError, import_source, parse_source, read_source
 
     problems = []
     for source in cfg.envs.sources:
@@ -425,13 +426,25 @@ def _sources(cfg: NightlyConfig) -> list[str]:
                     problems.append(f"envs.sources: task source {source!r}: an s3:// source must lie in the run's "
                                     f"store ({cfg.store.uri})")
                 continue
-            res, _ = parse_source(source, read_source(source))   # each spec's split as the import sets it
+            data, before = read_source(source), len(problems)
+            res, _ = parse_source(source, data)   # each spec's split as the import sets it
             splits = {spec.split for spec in res.specs}
             for split, what, other in (("heldout", "held-out", "train"), ("train", "training", "heldout")):
                 if split not in splits:
                     problems.append(f"envs.sources: task source {source!r} has no {what} tasks (every task's split "
                                     f"is {other}: a line's own \"split\", else 1 task id in 10 held out by a hash; "
                                     f"give some lines \"split\": \"{split}\")")
+            if len(problems) > before:
+                continue
+            counts = import_source(source, data, cfg.envs).production.lineage["counts"]   # as the run cleans it
+            for split, what in (("heldout", "held-out"), ("train", "training")):
+                c = counts[split]
+                if not c["kept"]:
+                    problems.append(
+                        f"envs.sources: task source {source!r} has no {what} task left after cleaning: of "
+                        f"{c['imported']}, {c['exact_duplicates']} exact and {c['near_duplicates']} near duplicates"
+                        + (f", {c['contaminated']} sharing their prompts with held-out ones" if "contaminated" in c else "")
+                        + " (envs.clean sets the thresholds)")
         except SourceError as e:
             problems.append(f"envs.sources: {e}")
     return problems

@@ -29,7 +29,7 @@ class EnvSnapshot(BaseModel):
     heldout: Ref
     lineage: Ref
     imported: dict | None = Field(None, description="An imported task set: its source, name, version, counts (lines "
-                                  "ok / bad, duplicates, contaminated, kept) and bad_lines (URI or None). None: a family.")
+                                  "ok / bad, duplicates, contaminated, kept), bad_lines and dropped (URIs or None). None: a family.")
 
 
 @task(retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
@@ -49,13 +49,16 @@ def import_envs(source: str, cfg: EnvsConfig, store: StoreConfig) -> EnvSnapshot
     st = open_store(store)
     imp = import_source(source, read_source(source, store.uri), cfg)
     refs = save_source(st, imp)
-    bad = refs.pop("bad_lines")
+    bad, dropped = refs.pop("bad_lines"), refs.pop("dropped")
     counts = imp.production.lineage["counts"]
     logger = get_run_logger()
     logger.info("%s %s from %s: %s", imp.name, imp.production.version, source, counts)
     if imp.bad:
         logger.warning("%s: %d bad line(s) quarantined in %s; first: %s", source, len(imp.bad), bad.uri,
                        imp.bad[0].messages()[0])
+    if imp.dropped:
+        logger.info("%s: %d task(s) left out by dedup and decontamination, each with why, in %s", source,
+                    len(imp.dropped), dropped.uri)
     return EnvSnapshot(family=imp.name, version=imp.production.version, **refs, imported={
         "source": source, "name": imp.name, "version": imp.production.version, "counts": counts,
-        "bad_lines": bad.uri if bad else None})
+        "bad_lines": bad.uri if bad else None, "dropped": dropped.uri if dropped else None})

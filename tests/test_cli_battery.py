@@ -81,7 +81,8 @@ def files(tmp_path) -> dict[str, str]:
     pl.DataFrame({"x": [1, 2]}).write_parquet(d / "unrelated.parquet")
     pl.DataFrame({"reward": [1.0]}).write_parquet(d / "reward_only.parquet")
     (d / "all_bad.jsonl").write_text(texts["tasks_all_bad"])
-    (d / "good.jsonl").write_text(_jsonl(TASK, {**TASK, "task_id": "t2", "split": "heldout"}))   # both splits
+    (d / "good.jsonl").write_text(_jsonl(TASK, {**TASK, "task_id": "t2", "split": "heldout",   # both splits, and a
+                                               "prompt": "def g(y):\n"}))        # prompt of its own: one prompt is contaminated
     (d / "train_only.jsonl").write_text(texts["tasks"])      # t1: the task-id hash puts it in train
     out.update(all_bad_jsonl=str(d / "all_bad.jsonl"), good_jsonl=str(d / "good.jsonl"),
                train_only_jsonl=str(d / "train_only.jsonl"))

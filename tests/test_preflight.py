@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -275,8 +276,14 @@ TASK = {"task_id": "t1", "prompt": "p", "execution_steps": [{"action": "check_ca
         "tests": [{"args": "[1]", "expected": "2"}]}
 
 
-def _tasks(*ids_splits) -> str:
-    return "".join(json.dumps({**TASK, "task_id": i, **({"split": s} if s else {})}) + "\n" for i, s in ids_splits)
+def _tasks(*ids_splits, prompt=None) -> str:
+    """JSONL of TASK under each (id, split); each prompt its own words (one prompt for all: `prompt`),
+    as the run's dedup and decontamination would otherwise leave one task of them."""
+    def words(i: str) -> str:
+        return " ".join(hashlib.sha256(f"{i}-{k}".encode()).hexdigest()[:8] for k in range(8))
+
+    return "".join(json.dumps({**TASK, "task_id": i, "prompt": prompt or words(i), **({"split": s} if s else {})}) + "\n"
+                   for i, s in ids_splits)
 
 
 def test_task_sources(tmp_path):
@@ -309,6 +316,19 @@ def test_a_task_source_needs_both_splits(tmp_path):
                                  "(every task's split is train"), train_only
     (held_only,) = problems(_tasks(("t1", "heldout"), ("t3", None)))
     assert "has no training tasks (every task's split is heldout" in held_only
+
+
+def test_a_task_source_that_cleaning_empties_is_named_with_the_counts(tmp_path):
+    """Found by review: tasks that differ only in their tests share one prompt, so dedup and
+    decontamination left no training task; preflight passed, and the run failed after auditing
+    every source with the task gate's "a task table has at least one task"."""
+    store = StoreConfig(uri=str(tmp_path / "store"))
+    (tmp_path / "same.jsonl").write_text(_tasks(("t1", "train"), ("t2", "train"), ("t3", "heldout"), ("t4", "heldout"),
+                                                prompt="def f(x): return x plus one, for every integer x"))
+    (problem,) = check(NightlyConfig(store=store, envs=EnvsConfig(sources=(str(tmp_path / "same.jsonl"),))))
+    assert problem == (f"envs.sources: task source {str(tmp_path / 'same.jsonl')!r} has no training task left after "
+                       f"cleaning: of 2, 0 exact and 0 near duplicates, 2 sharing their prompts with held-out ones "
+                       f"(envs.clean sets the thresholds)"), problem
 
 
 def test_a_task_file_with_no_held_out_tasks_stops_run_with_one_line(tmp_path, monkeypatch):

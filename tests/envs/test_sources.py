@@ -236,3 +236,22 @@ def test_interleave_and_pass_rates_by_source():
     # an env_error left a task out of one column: each column says how many tasks its figure is over
     fewer = record([{"source": "imported-x", "n_tasks": 1, "pass_at_1": 1.0, "ci": [1.0, 1.0]}])
     assert pass_rates_by_source({"base": base, "final": fewer})["imported-x"]["final_n_tasks"] == 1
+
+
+def test_the_tasks_cleaning_leaves_out_are_saved_with_why():
+    """Found by review: dedup and decontamination dropped tasks leaving only counts; which ones, and
+    why, is now kept beside the snapshot (`dropped.jsonl`), as bad lines are (`bad_lines.jsonl`)."""
+    import tempfile
+
+    prompt = "return the integer that follows x, for any integer x you are given"
+    imp = import_source("d.jsonl", jsonl(task("h", prompt, split="heldout"), task("h2", prompt, split="heldout"),
+                                         task("t", prompt, split="train"), task("u", "add two to x, then halve it", split="train")),
+                        EnvsConfig())
+    assert [(d["task_id"].rsplit("/", 1)[-1], d["split"], d["reason"]) for d in imp.dropped] == [
+        ("h2", "heldout", "exact duplicate of an earlier heldout prompt"),
+        ("t", "train", "contaminated: 100% of its prompt's 13-word sequences are in held-out prompts")]
+    st = open_store(tempfile.mkdtemp())
+    refs = save_source(st, imp)
+    assert [json.loads(ln)["reason"] for ln in st.get_bytes(refs["dropped"]).decode().splitlines()] == [
+        d["reason"] for d in imp.dropped]
+    assert imp.production.lineage["dropped"] == "dropped.jsonl" and refs["train"].rows == 1
