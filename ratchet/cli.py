@@ -127,7 +127,10 @@ def run(
             raise
         _quiet_prefect_exit()
         first = (str(e).strip().splitlines() or [""])[0]
-        typer.echo(f"error: {type(e).__name__}: {first} (run {cfg.run_id}; {resume})", err=True)
+        from ratchet.store.lease import LeaseHeld
+
+        then = "resume it once that run has ended or gone stale" if isinstance(e, LeaseHeld) else resume  # it runs
+        typer.echo(f"error: {type(e).__name__}: {first} (run {cfg.run_id}; {then})", err=True)
         raise typer.Exit(1)
     finally:
         watchdog.set()

@@ -67,6 +67,8 @@ def import_command(
     from ratchet.store import open_store
 
     if humaneval:
+        if file is not None:      # one or the other: FILE was once ignored without a word
+            fail(f"give a FILE or --humaneval, not both (FILE: {file})", "ratchet envs import")
         file, format = humaneval_path(), "humaneval"
     if file is None:
         fail("give a FILE or --humaneval", "ratchet envs import")

@@ -203,6 +203,7 @@ CASES = [
     ("import-bad-format", "envs import {tasks} --format nope --store {store}", 2, "unknown format"),
     ("import-bad-split", "envs import {tasks} --split test --store {store}", 2, "unknown split"),
     ("import-bad-version", "envs import {tasks} --version ../x --store {store}", 2, "cannot name a store folder"),
+    ("import-file-and-humaneval", "envs import {tasks} --humaneval --store {store}", 2, "not both"),
     ("import-store-ftp", "envs import {tasks} --store ftp://x/y", 2, "unsupported scheme"),
     ("import-store-file", "envs import {tasks} --store {a_file}", 2, "is not a directory"),
     # ratchet gate check
@@ -390,3 +391,24 @@ def test_an_unforeseen_failure_is_one_line_too(files, no_flow, monkeypatch):
     monkeypatch.setenv("RATCHET_DEBUG", "1")
     res = CliRunner().invoke(app, argv)
     assert isinstance(res.exception, RuntimeError)
+
+
+def test_a_run_id_another_writer_holds_is_not_told_to_resume_now(files, monkeypatch):
+    """Found by review: the error of a run id whose lease another live process holds ended with
+    "resume with: ratchet run --run-id X", which only meets the same error while that run lives."""
+    import time
+
+    from ratchet.store.lease import LeaseHeld
+
+    fake = types.ModuleType("flows.nightly")
+
+    def nightly(cfg):
+        raise LeaseHeld(cfg.run_id, {"owner": "o", "host": "h", "pid": 1, "heartbeat_at": time.time(), "ttl_s": 60},
+                        time.time())
+
+    fake.nightly = nightly
+    monkeypatch.setitem(sys.modules, "flows.nightly", fake)
+    res = CliRunner().invoke(app, ["run", "--run-id", "busy", "--store", files["store"]])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert res.stderr.rstrip().endswith("(run busy; resume it once that run has ended or gone stale)"), res.stderr
+    assert "resume with" not in res.stderr
