@@ -82,7 +82,7 @@ def feedback_text(spec: TaskSpec, feedback: dict | None, metrics: dict | None,
     lines = [_summary(feedback, metrics)]
     if feedback is None:
         return lines[0] + "\n"
-    describe = describe or _call_describer(spec)
+    describe = describe or call_describer(spec)
     failed = _unique(list(feedback.get("failed_tests") or []))
     said = _unique([f"- {_cut(describe(t))}" for t in failed])   # two calls of the same args read alike: one line
     shown = said[:MAX_FAILED_SHOWN]
@@ -167,7 +167,7 @@ observation is not an answer key, so an answer that special-cases what it was sh
 calls it was not shown (a task with one call, such as arithmetic's, shows none)."""
 
 
-def _call_describer(spec: TaskSpec) -> Callable[[dict], str]:
+def call_describer(spec: TaskSpec) -> Callable[[dict], str]:
     """`f(3): expected 6, got 5` for a check_calls failure among the first SHOWN_EXPECTED of the
     hidden calls ("args [3]: expected 6, got 5"), `f(3): got 5, wrong` for the others; `test_x:
     assert 1 == 2` for pytest's ("FAILED: assert 1 == 2"); else `name: detail`."""

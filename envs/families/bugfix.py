@@ -3,8 +3,12 @@
 The project is 1..3 modules of small documented functions. One module carries 1..3 injected
 bugs (mutants of the correct code: a swapped operator, an off-by-one constant, a dropped
 statement). The model sees every file and replies with the full corrected content of the
-broken one; `overwrite_file` writes it and `run_command: pytest` runs the hidden suite
-(test_hidden.py, read-only), so the reward is pytest's pass rate.
+broken one; `overwrite_file` writes it, with a dispatcher after it (`call(name, *args)`), and
+`check_calls` calls each of its functions on the hidden cases: the results are serialised inside
+the sandbox and compared with the expected values outside it, so the reward is the share of
+cases that come out right. (Until 2026-12-07 a hidden pytest file held the expected values and
+ran in the answer's own process: an answer that read that file, or returned an object equal to
+everything, passed every test without fixing anything.)
 
 Difficulty: 1 -> one module, one bug; 2 -> two modules, one bug; 3 -> two modules, two bugs;
 4 -> three modules, two bugs; 5 -> three modules, three bugs. Every injected bug is checked
@@ -16,15 +20,16 @@ that some input can tell apart (what the audit's mutation testing then measures)
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.episode import feedback_text
+from envs.episode import call_describer, feedback_text
 from envs.mutation import python_mutants
 from envs.registry import register_family
-from envs.spec import COMPLETION, EnvironmentConfig, OverwriteFile, RunCommand, TaskSpec
+from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, TaskSpec
 
 _L = lambda r, lo=0, hi=6: [r.randint(-9, 9) for _ in range(r.randint(lo, hi))]  # noqa: E731
 # name -> (source, input generator); every function is loop-bounded and pure
@@ -52,6 +57,9 @@ FUNCS = {
 }
 _MODULES = ("core_ops", "list_ops", "misc_ops")   # no stdlib names (numbers!)
 _LEVELS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 2), 5: (3, 3)}   # difficulty -> (modules, bugs)
+# after the answer in its file: the one entry point check_calls calls, each hidden case as
+# call("clamp", 3, -2, 4); defined last, so an answer's own `call` does not replace it
+DISPATCH = "\n\n\ndef call(name, *args):\n    return globals()[name](*args)\n"
 
 
 class Config(BaseModel):
@@ -59,7 +67,6 @@ class Config(BaseModel):
     funcs_per_module: int = Field(2, ge=1, le=4, description="Functions in each module.")
     cases_per_func: int = Field(4, ge=1, le=20, description="Random hidden test cases per function.")
     amplify_tries: int = Field(40, ge=0, le=1000, description="Random inputs tried per surviving mutant to add a case that kills it.")
-    pytest_requirement: str = Field("pytest==9.2.0", description="The pinned test runner of the task's environment.")
     heldout_fraction: float = Field(0.15, gt=0, lt=1, description="Share of function sets reserved for held-out.")
 
 
@@ -124,8 +131,8 @@ def generate(cfg: Config, seed: int, index: int, difficulty: int, split: str) ->
         if _reserved("|".join(sorted(groups[0])), cfg.heldout_fraction) != (split == "heldout"):
             continue
         modules = {f"{_MODULES[i]}.py": "\n\n".join(FUNCS[f][0] for f in g) for i, g in enumerate(groups)}
-        cases = {f: [] for f in chosen}
-        for f in chosen:
+        cases = {f: [] for f in groups[0]}     # the broken module's functions: the others are not the answer's
+        for f in groups[0]:
             for _ in range(cfg.cases_per_func):
                 args = FUNCS[f][1](rng)
                 cases[f].append((args, _run(FUNCS[f][0], f, args)))
@@ -135,22 +142,19 @@ def generate(cfg: Config, seed: int, index: int, difficulty: int, split: str) ->
         if buggy is not None:
             break
     files = {**modules, target: buggy}
-    imports = "".join(f"from {m[:-3]} import *\n" for m in sorted(modules))
-    tests = imports + "".join(f"\n\ndef test_{f}_{i}():\n    assert {f}({', '.join(map(repr, a))}) == {e!r}\n"
-                              for f in chosen for i, (a, e) in enumerate(cases[f]))
+    tests = tuple(CallTest(args=json.dumps([f, *a]), expected=json.dumps(e)) for f in groups[0] for a, e in cases[f])
     shown = "".join(f"--- {p} ---\n{files[p]}\n" for p in sorted(files))
-    prompt = (f"The hidden pytest suite of this project fails because of bugs in {target}. "
+    prompt = (f"The hidden tests of this project fail because of bugs in {target}. "
               f"Reply with the full corrected content of {target} (code only).\n\n{shown}")
     digest = hashlib.sha256(f"{prompt}|{seed}|{index}".encode()).hexdigest()[:12]
     return TaskSpec(
         task_id=f"bf-{split}-{difficulty}-{digest}", family="bugfix", difficulty=difficulty, split=split,
         prompt=prompt,
-        environment_config=EnvironmentConfig(dependencies=(cfg.pytest_requirement,)),
-        execution_steps=(OverwriteFile(path=f"/app/{target}", content=COMPLETION),
-                         RunCommand(command="pytest -q test_hidden.py")),
-        files=files, test_files={"test_hidden.py": tests},
+        execution_steps=(OverwriteFile(path=f"/app/{target}", content=COMPLETION + DISPATCH),
+                         CheckCalls(entry_point="call")),
+        files=files, tests=tests,
         reference_solution=modules[target],
-        metadata={"target": target, "buggy": buggy, "functions": chosen, "bugs": n_bugs},
+        metadata={"target": target, "buggy": buggy, "functions": chosen, "tested": groups[0], "bugs": n_bugs},
     )
 
 
@@ -166,20 +170,10 @@ def curriculum(step: int, total: int, max_difficulty: int) -> list[float]:
 
 
 def observe(spec: TaskSpec, feedback: dict | None, metrics: dict | None) -> str:
-    """The default feedback, each failed test shown as its hidden assertion and what pytest said:
-    `- assert clamp(3, -2, 4) == 3 (assert 4 == 3)`."""
-    source = next(iter(spec.test_files.values()), "")
-
-    def describe(t: dict) -> str:
-        name = (t.get("name") or "").rsplit("::", 1)[-1]
-        kind, _, detail = (t.get("detail") or "").partition(": ")
-        if kind not in ("FAILED", "ERROR"):
-            kind, detail = "FAILED", t.get("detail") or ""
-        m = re.search(rf"^def {re.escape(name)}\(\):\n\s+(assert .*)$", source, re.M) if name else None
-        if m is None:
-            return f"{name}: {detail or kind.lower()}"
-        return m.group(1) + (f" ({detail})" if detail else "")
-    return feedback_text(spec, feedback, metrics, describe)
+    """The default feedback, each failed case shown as the call of the function it tests:
+    `- clamp(3, -2, 4): expected 3, got 4` (the dispatcher's `call("clamp", 3, -2, 4)` unwrapped)."""
+    default = call_describer(spec)
+    return feedback_text(spec, feedback, metrics, lambda t: re.sub(r'^call\("(\w+)",? ?', r"\1(", default(t)))
 
 
 def reprompt(spec: TaskSpec) -> str:

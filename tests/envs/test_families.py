@@ -10,8 +10,8 @@ from ratchet.config import AuditConfig
 from envs.registry import all_family_names, get_family
 
 FAMILIES = all_family_names()
-# tasks audited per family (families whose runs start pytest or a shell are slower)
-AUDITED = {"bugfix": 1, "shell": 2}
+# tasks audited per family (families whose runs start a shell are slower)
+AUDITED = {"shell": 2}
 
 
 def test_the_four_families_are_registered():
@@ -88,3 +88,24 @@ def test_a_curriculum_that_weighs_fewer_tasks_than_a_wave_takes_them_all_and_fil
     assert sum(t.difficulty == 1 for t in picked) == 10
     no_easy = pick_tasks([t for t in tasks if t.difficulty > 1], 16, 0, 10, curriculum, seed=0)
     assert len({t.task_id for t in no_easy}) == 16
+
+
+def test_a_bugfix_answer_that_fixes_nothing_passes_nothing():
+    """Found by review: the hidden pytest file held the expected values and ran in the answer's own
+    process, so an answer returning an object equal to everything, or one reading the expected values
+    out of that file, passed every test. The cases are now compared outside the sandbox."""
+    from envs.families.bugfix import Config, generate
+    from ratchet.verify import verify_many
+
+    spec = generate(Config(), 1, 0, 1, "train")
+    tested = spec.metadata["tested"]
+    always_equal = ("class _A:\n    def __eq__(s, o): return True\n    def __ne__(s, o): return False\n"
+                    + "".join(f"def {f}(*a, **k): return _A()\n" for f in tested))
+    reads_the_workdir = ("import glob\n_seen = {p: open(p).read() for p in glob.glob('/app/**', recursive=True) if p.endswith('.py')}\n"
+                         + "".join(f"def {f}(*a): return len(_seen)\n" for f in tested))
+    own_dispatcher = spec.metadata["buggy"] + "\n\ndef call(name, *args):\n    return True\n"
+    results = verify_many([(spec, spec.reference_solution), (spec, spec.metadata["buggy"]), (spec, always_equal),
+                           (spec, reads_the_workdir), (spec, own_dispatcher)])
+    assert [r.passed for r in results] == [True, False, False, False, False]
+    assert results[0].metrics["tests_passed"] == len(spec.tests) and results[2].metrics["tests_passed"] == 0
+    assert not spec.test_files      # nothing in the sandbox holds an expected value

@@ -29,11 +29,11 @@ def test_unsatisfiable_and_unknown_runtimes(tmp_path, monkeypatch):
 
 
 def test_unsatisfiable_set_is_an_env_error_per_task(tmp_path):
-    from envs.families.bugfix import Config, generate
+    from envs.families.python_functions import Config, generate
     from ratchet.verify import verify_many
 
-    bad = generate(Config(pytest_requirement=MISSING), 0, 0, 1, "train")
     good = generate(Config(), 0, 1, 1, "train")
+    bad = good.model_copy(update={"task_id": "needs-missing", "environment_config": EnvironmentConfig(dependencies=(MISSING,))})
     rb, rg = verify_many([(bad, bad.reference_solution), (good, good.reference_solution)],
                          runtime_python=lambda env: resolve(env, root=tmp_path if env == bad.environment_config else None))
     assert rb.env_error and "cannot build runtime" in rb.env_error_kind
