@@ -52,7 +52,10 @@ def protocol(cfg: NightlyConfig) -> dict:
     compared (promotion, the vertical table) only under one protocol."""
     return _as_judged({"n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
                        "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
-                       "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass})
+                       "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass,
+                       # the sandbox's limits decide pass and fail, and its feedback an episode's next turn
+                       "verify_timeout_s": cfg.verify.timeout_s, "verify_memory_mb": cfg.verify.memory_mb,
+                       "feedback_bytes": cfg.verify.feedback_bytes})
 
 
 def _as_judged(p: dict) -> dict:
@@ -74,7 +77,7 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     now = protocol(cfg)
     if store.exists(f"{key}.json"):
         kept = store.get_json(f"{key}.json")
-        was = _as_judged(kept.get("protocol", now))   # records from before protocols were kept: as now
+        was = {**now, **_as_judged(kept.get("protocol", now))}   # what a record from before a key was kept lacks: as now
         changed = {k: (was.get(k), v) for k, v in now.items() if was.get(k) != v}
         if changed:
             raise ValueError(f"run {policy.run_id}: policy v{policy.version} was evaluated with "
@@ -128,6 +131,13 @@ def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None,
     store = open_store(cfg.store)
     d = should_promote(candidate["results"], incumbent["results"] if incumbent else None, cfg.eval, against)
     reason = d.reason
+    theirs = incumbent["results"] if incumbent else {}
+    unpaired = sum(v is None or (incumbent is not None and theirs.get(t) is None) for t, v in candidate["results"].items())
+    if d.promote and unpaired > cfg.gate.max_env_error_rate * len(candidate["results"]):
+        d = replace(d, promote=False)     # an env_error where the other side passed drops a loss from the pairing
+        reason = (f"{d.reason}; but not promoted: {unpaired} of {len(candidate['results'])} held-out tasks could not be "
+                  f"paired (an env_error on either side, or missing from {against}), above gate.max_env_error_rate "
+                  f"{cfg.gate.max_env_error_rate:.0%}: infrastructure failures must not decide a promotion")
     if d.promote and policy.checkpoint is not None:
         judged = (incumbent or {}).get("checkpoint")
         now = store.get_pointer(INCUMBENT)

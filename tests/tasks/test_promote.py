@@ -99,6 +99,12 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
     with pytest.raises(ValueError, match=r"^run r: policy v0 was evaluated with samples 1, temperature None, seed None; "
                                          r"this attempt has samples 4, temperature 1.0, seed 0: resume with the run's own settings"):
         evaluate.fn(base, [], other)
+    longer = cfg.model_copy(update={"verify": cfg.verify.model_copy(update={"timeout_s": 60.0})})   # found by review:
+    with pytest.raises(ValueError, match=r"verify_timeout_s 5.0; this attempt has verify_timeout_s 60.0"):  # a "gain"
+        evaluate.fn(base, [], longer)
+    older = {**kept, "protocol": {k: v for k, v in kept["protocol"].items() if not k.startswith(("verify_", "feedback"))}}
+    store.put_json("runs/r/eval/000000.json", older)      # kept before the protocol named the sandbox's limits
+    assert evaluate.fn(base, [], cfg) == older
 
 
 def test_a_greedy_evaluation_is_reused_under_another_temperature_or_seed_and_a_sampled_one_is_not(tmp_path):
@@ -146,3 +152,18 @@ def test_a_resumed_run_sets_aside_the_evaluations_of_versions_it_trains_again(tm
     set_aside_evaluations(store, "r", 3)
     assert store.get_json("runs/r/eval/superseded/000006-1.json") == {"again": True}
     assert set_aside_evaluations(store, "r", 6) == []
+
+
+def test_a_candidate_whose_env_errors_hide_its_losses_is_not_promoted(tmp_path):
+    """Found by review: a task with an env_error on either side left the pairing silently; 20 env_errors
+    exactly where the incumbent passed, and 20 wins elsewhere, promoted at +100 points over 20 tasks."""
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)), eval=EvalConfig(min_gain=0.0))
+    store = open_store(cfg.store)
+    ckpt = store.put_json("runs/r/checkpoints/000003/MANIFEST.json", {"files": {}})
+    policy = PolicyRef(run_id="r", version=3, checkpoint=ckpt, checkpoint_version=3)
+    incumbent = {"results": {f"t{i}": i < 20 for i in range(40)}}
+    candidate = {"results": {f"t{i}": None if i < 20 else True for i in range(40)}}
+    with disable_run_logger():
+        d = promote.fn(policy, candidate, incumbent, cfg)
+    assert d["promoted"] is False and "20 of 40 held-out tasks could not be paired" in d["reason"], d["reason"]
+    assert store.get_pointer(INCUMBENT) is None
