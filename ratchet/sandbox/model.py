@@ -21,7 +21,8 @@ class Limits:
     """Per-run limits. Every backend enforces all of them; `doctor()` says how."""
 
     cpu_s: float = 2.0
-    """CPU seconds for the run (RLIMIT_CPU, rounded up to whole seconds; then SIGKILL)."""
+    """CPU seconds per process of the run (RLIMIT_CPU, rounded up to whole seconds; then SIGKILL): a run
+    that forks spends up to this much in each process, bounded as a whole by `wall_s` times the cores."""
     wall_s: float = 5.0
     """Wall-clock seconds; then the whole run (its pid namespace / process group) is killed."""
     memory_mb: int = 512
