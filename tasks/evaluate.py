@@ -15,6 +15,7 @@ from ratchet.eval import evaluate as evaluate_policy
 from ratchet.eval import should_promote
 from ratchet.scratch import scratch_dir
 from ratchet.store import Ref, open_store
+from ratchet.store.lease import one_at_a_time
 from ratchet.train import session as sessions
 from tasks.retry import transient_only
 
@@ -140,13 +141,14 @@ def promote(policy: sessions.PolicyRef, candidate: dict, incumbent: dict | None,
                   f"{cfg.gate.max_env_error_rate:.0%}: infrastructure failures must not decide a promotion")
     if d.promote and policy.checkpoint is not None:
         judged = (incumbent or {}).get("checkpoint")
-        now = store.get_pointer(INCUMBENT)
-        if now is not None and now.uri not in (judged, policy.checkpoint.uri):
-            d = replace(d, promote=False)
-            reason = (f"{d.reason}; but not promoted: {INCUMBENT} moved to {now.uri} while this run was judged "
-                      f"against {judged or 'the base model'} (evaluate against it before promoting)")
-        else:
-            store.set_pointer(INCUMBENT, policy.checkpoint)
+        with one_at_a_time(store, "promotion", owner=policy.run_id):   # another run's check and move, not between ours
+            now = store.get_pointer(INCUMBENT)
+            if now is not None and now.uri not in (judged, policy.checkpoint.uri):
+                d = replace(d, promote=False)
+                reason = (f"{d.reason}; but not promoted: {INCUMBENT} moved to {now.uri} while this run was judged "
+                          f"against {judged or 'the base model'} (evaluate against it before promoting)")
+            else:
+                store.set_pointer(INCUMBENT, policy.checkpoint)
     get_run_logger().info("promotion: %s", reason)
     return {"promoted": d.promote, "reason": reason, "estimate": d.estimate, "ci": [d.ci_low, d.ci_high],
             "p_value": d.p_value, "method": d.method,

@@ -167,3 +167,45 @@ def test_a_candidate_whose_env_errors_hide_its_losses_is_not_promoted(tmp_path):
         d = promote.fn(policy, candidate, incumbent, cfg)
     assert d["promoted"] is False and "20 of 40 held-out tasks could not be paired" in d["reason"], d["reason"]
     assert store.get_pointer(INCUMBENT) is None
+
+
+def test_two_runs_promoting_at_once_check_and_move_the_pointer_one_after_the_other(tmp_path, monkeypatch):
+    """Found by review: promote read the pointer, checked it and moved it as separate steps, so two runs
+    judged against one incumbent could both pass the check and the last (here the worse) would win.
+    Run a holds its move for a while; run b, starting meanwhile, now waits and then sees a's pointer."""
+    import logging
+    import threading
+    import time
+
+    from ratchet.store.local import LocalStore
+
+    cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)), eval=EvalConfig(min_gain=0.0))
+    store = open_store(cfg.store)
+    old, a, b = (store.put_json(f"runs/{r}/checkpoints/000003/MANIFEST.json", {"files": {}}) for r in ("o", "a", "b"))
+    store.set_pointer(INCUMBENT, old)
+    judged = {**_results(60), "checkpoint": old.uri}
+    slow_move = threading.Event()
+    set_pointer = LocalStore.set_pointer
+
+    def held(self, key, ref):                       # a's move takes its time: b starts in between
+        if ref.uri == a.uri:
+            slow_move.set()
+            time.sleep(1.5)
+        return set_pointer(self, key, ref)
+
+    monkeypatch.setattr(LocalStore, "set_pointer", held)
+    monkeypatch.setattr("tasks.evaluate.get_run_logger", lambda: logging.getLogger("promote"))   # two threads, no run
+    out = {}
+
+    def run(name, ckpt, solved):
+        out[name] = promote.fn(PolicyRef(run_id=name, version=3, checkpoint=ckpt, checkpoint_version=3),
+                               _results(solved), judged, cfg)
+
+    first = threading.Thread(target=run, args=("a", a, 180))
+    first.start()
+    assert slow_move.wait(30)
+    second = threading.Thread(target=run, args=("b", b, 120))
+    second.start()
+    first.join(60), second.join(60)
+    assert out["a"]["promoted"] and not out["b"]["promoted"], out
+    assert f"moved to {a.uri}" in out["b"]["reason"] and store.get_pointer(INCUMBENT).uri == a.uri
