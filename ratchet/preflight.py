@@ -416,7 +416,7 @@ def _sources(cfg: NightlyConfig) -> list[str]:
     quarantine; a file with no good line is a problem now) and has tasks of both splits, before and
     after dedup and decontamination (`import_source`, as the run cleans it): the run gates each
     source's audited train and held-out tables as non-empty, after auditing them all."""
-    from envs.sources import SourceError, import_source, parse_source, read_source
+    from envs.sources import SourceError, import_source, read_source
 
     problems = []
     for source in cfg.envs.sources:
@@ -426,18 +426,14 @@ def _sources(cfg: NightlyConfig) -> list[str]:
                     problems.append(f"envs.sources: task source {source!r}: an s3:// source must lie in the run's "
                                     f"store ({cfg.store.uri})")
                 continue
-            data, before = read_source(source), len(problems)
-            res, _ = parse_source(source, data)   # each spec's split as the import sets it
-            splits = {spec.split for spec in res.specs}
-            for split, what, other in (("heldout", "held-out", "train"), ("train", "training", "heldout")):
-                if split not in splits:
-                    problems.append(f"envs.sources: task source {source!r} has no {what} tasks (every task's split "
-                                    f"is {other}: a line's own \"split\", else 1 task id in 10 held out by a hash; "
-                                    f"give some lines \"split\": \"{split}\")")
-            if len(problems) > before:
-                continue
-            counts = import_source(source, data, cfg.envs).production.lineage["counts"]   # as the run cleans it
-            for split, what in (("heldout", "held-out"), ("train", "training")):
+            # parsed, split and cleaned as the run will: each split's tasks before ("imported") and after ("kept")
+            counts = import_source(source, read_source(source), cfg.envs).production.lineage["counts"]
+            splits = (("heldout", "held-out", "train"), ("train", "training", "heldout"))
+            unsplit = [f"envs.sources: task source {source!r} has no {what} tasks (every task's split is {other}: a "
+                       f"line's own \"split\", else 1 task id in 10 held out by a hash; give some lines \"split\": "
+                       f"\"{split}\")" for split, what, other in splits if not counts[split]["imported"]]
+            problems += unsplit
+            for split, what, _ in splits if not unsplit else ():
                 c = counts[split]
                 if not c["kept"]:
                     problems.append(
