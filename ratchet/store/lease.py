@@ -109,12 +109,18 @@ def require_holder(store: ArtifactStore, run_id: str, token: str) -> None:
     """LeaseLost unless the run's lease record still carries `token` (a holder's `RunLease.token`): for a
     writer that is not the lease's holder object (a task, perhaps on another worker), which cannot renew
     it but must not write past a takeover."""
-    rec = RunLease(store, run_id)._read()
-    if rec is None or rec["token"] != token:
-        whom = "deleted (or made unreadable)" if rec is None else \
-            f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
-        raise LeaseLost(f"run {run_id!r}: the lease this writer works under was {whom}; "
-                        f"stop writing, another writer owns this run now")
+    lost = _lost(RunLease(store, run_id)._read(), token, run_id, "the lease this writer works under")
+    if lost:
+        raise lost
+
+
+def _lost(rec: dict[str, Any] | None, token: str, run_id: str, whose: str) -> LeaseLost | None:
+    """The LeaseLost naming who took the lease over, unless the record `rec` carries `token`."""
+    if rec is not None and rec["token"] == token:
+        return None
+    whom = "deleted (or made unreadable)" if rec is None else \
+        f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
+    return LeaseLost(f"run {run_id!r}: {whose} was {whom}; stop writing, another writer owns this run now")
 
 
 @contextmanager
@@ -218,13 +224,10 @@ class RunLease:
         with self._mutex:
             if not self.held:
                 raise LeaseLost(f"run {self.run_id!r}: {self.owner!r} does not hold the lease (acquire it first)")
-            rec = self._read()
-            if rec is None or rec["token"] != self.token:
+            lost = _lost(self._read(), self.token, self.run_id, f"the lease of {self.owner!r}")
+            if lost:
                 self.held = False
-                whom = "deleted (or made unreadable)" if rec is None else \
-                    f"taken over by {_who(rec)}, heartbeat at {_when(float(rec['heartbeat_at']))}"
-                raise LeaseLost(f"run {self.run_id!r}: the lease of {self.owner!r} was {whom}; "
-                                f"stop writing, another writer owns this run now")
+                raise lost
             self._write(self._clock())
 
     def release(self) -> None:
