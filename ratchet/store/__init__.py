@@ -71,7 +71,7 @@ def _check_identity(store: ArtifactStore) -> None:
     # one process at a time (a local store): two that open a fresh store together would each write an
     # id, and the one whose id was overwritten would stop at its next open with a false StoreLost. S3
     # has no lock: two processes creating one fresh bucket prefix in the same moment can still race.
-    with store._one_at_a_time("identity"):
+    with store._exclusive("identity"):
         _check_identity_locked(store)
 
 

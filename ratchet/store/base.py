@@ -171,7 +171,7 @@ class ArtifactStore(ABC):
         self._delete(validate_key(key))
 
     @contextmanager
-    def _one_at_a_time(self, name: str) -> Iterator[None]:
+    def _exclusive(self, name: str) -> Iterator[None]:
         """Serialize a read-then-write named `name` across the processes that open this store, where the
         backend can: a local store takes an flock; S3 has no lock to take, and this yields at once."""
         yield

@@ -48,24 +48,12 @@ class LocalStore(ArtifactStore):
     def _tmpfile(self) -> Path:
         return self._tmp / uuid.uuid4().hex
 
-    @contextmanager
     def _locked(self, key: str, exclusive: bool):
         """A lock striped over 256 files by hash of the key (cheap; unrelated keys rarely wait)."""
-        with open(self._locks / hashlib.sha1(key.encode()).hexdigest()[:2], "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return _flock(self._locks / hashlib.sha1(key.encode()).hexdigest()[:2], exclusive)
 
-    @contextmanager
-    def _one_at_a_time(self, name: str):
-        with open(self._locks / f"op-{name}", "a+b") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+    def _exclusive(self, name: str):
+        return _flock(self._locks / f"op-{name}", exclusive=True)   # a file of its own: never a key's stripe
 
     def _write(self, key: str, data: bytes | Path, sha256: str, size: int, rows: int | None) -> None:
         dest, meta = self.root / key, self._meta_path(key)
@@ -128,3 +116,14 @@ class LocalStore(ArtifactStore):
     def _delete(self, key: str) -> None:
         (self.root / key).unlink(missing_ok=True)
         self._meta_path(key).unlink(missing_ok=True)
+
+
+@contextmanager
+def _flock(path: Path, exclusive: bool):
+    """An flock on `path` (created if absent), exclusive or shared, held for the `with` block."""
+    with open(path, "a+b") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
