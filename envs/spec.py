@@ -242,6 +242,23 @@ def tolerance_of(metadata: dict) -> float | None:
     return float(tol)
 
 
+METADATA_DEPTH = 64   # pydantic stops serialising near 255 levels; the store saves each spec as JSON
+
+
+def storable(metadata: dict) -> dict:
+    """`metadata` nests no deeper than METADATA_DEPTH levels (dicts and lists): deeper, the spec
+    would pass validation and fail where it is saved, naming no task."""
+    todo = [((), metadata)]
+    while todo:
+        loc, value = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+        for key, inner in items:
+            if len(loc) + 1 > METADATA_DEPTH:
+                raise SpecError((loc[:3], f"nests deeper than {METADATA_DEPTH} levels (dicts and lists)"))
+            todo.append(((*loc, key), inner))
+    return metadata
+
+
 def visible_tests_of(metadata: dict) -> tuple[CallTest, ...]:
     """`metadata["visible_tests"]`, the visible examples the verifier runs beside the hidden tests."""
     raw = metadata.get("visible_tests") or []
@@ -317,7 +334,7 @@ class TaskSpec(_Spec):
     @classmethod
     def _verifiable_metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
         errors = []
-        for rule in (tolerance_of, visible_tests_of):
+        for rule in (storable, tolerance_of, visible_tests_of):
             try:
                 rule(v)
             except SpecError as e:

@@ -383,3 +383,15 @@ def test_a_parquet_table_of_bytes_is_refused_by_column_and_a_decimal_is_its_numb
         .write_parquet(tmp_path / "d.parquet")
     res = CliRunner().invoke(app, ["import", str(tmp_path / "d.parquet"), "--store", str(store)])
     assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
+
+
+def test_metadata_nested_past_what_the_store_saves_is_a_bad_line():
+    """Found by review: metadata 300 levels deep passed validation, and the import then failed where
+    the spec was saved (pydantic's serialisation stops near 255 levels), naming no line."""
+    deep = {"x": json.loads('{"a": ' * 300 + "1" + "}" * 300)}
+    ok = {"x": json.loads('{"a": ' * 60 + "1" + "}" * 60)}
+    res = parse_lines(lines(GOOD | {"metadata": deep}, GOOD | {"task_id": "t2", "metadata": ok}), source="m.jsonl")
+    assert [s.task_id for s in res.specs] == ["t2"]
+    res.specs[0].model_dump_json()       # what is kept, saves
+    assert [m for b in res.bad for m in b.messages()] == [
+        "m.jsonl:1: field 'metadata.x.a.a': nests deeper than 64 levels (dicts and lists)"]
