@@ -18,6 +18,7 @@ from typing import Iterator
 from ratchet.errors import picklable
 from ratchet.scratch import remove_stale_scratch
 from ratchet.store import ArtifactStore, RunLease
+from ratchet.store.lease import LeaseLost, require_holder
 from ratchet.summary import begin_attempt, end_attempt
 from ratchet.train.checkpoint import clean_partial
 
@@ -102,9 +103,20 @@ def run_attempt(store: ArtifactStore, run_id: str, owner: str | None = None, ttl
         for path in remove_stale_scratch():
             log.warning("removed %s, left by a process that is gone", path)
         attempt = begin_attempt(store, run_id)
+
+        def close(how: str) -> None:
+            """Record how the attempt ended, unless the run has another owner now: its attempts.json
+            (where it marked this attempt interrupted) is not this process's to rewrite."""
+            try:
+                require_holder(store, run_id, lease.token)
+            except LeaseLost as lost:
+                log.error("run %s: attempt %d ended (%s) and is not recorded: %s", run_id, attempt, how, lost)
+                return
+            end_attempt(store, run_id, attempt, how)
+
         try:
             yield lease
         except BaseException as e:
-            end_attempt(store, run_id, attempt, outcome(e))
+            close(outcome(e))
             raise
-        end_attempt(store, run_id, attempt, "completed")
+        close("completed")

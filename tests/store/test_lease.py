@@ -190,3 +190,26 @@ def test_a_lease_of_a_killed_process_here_is_taken_over_at_once(store, clock):
     store.put_bytes(lease_key("r"), json.dumps({**record, "proc_ns": "another-machine:1"}).encode())
     with pytest.raises(LeaseHeld, match="killed-run"):
         RunLease(store, "r", owner="restart", ttl_s=60, clock=clock, sleep=clock.advance).acquire()
+
+
+def test_an_attempt_whose_lease_was_taken_over_leaves_attempts_json_to_the_new_owner(tmp_path, caplog):
+    """Found by review: a process whose lease went stale and was taken over still wrote its attempt's
+    end into attempts.json when it stopped, over the new owner's (which had marked it interrupted)."""
+    from ratchet.run import run_attempt
+    from ratchet.summary import begin_attempt
+
+    store = open_store(str(tmp_path / "store"))
+    with pytest.raises(LeaseLost):
+        with run_attempt(store, "r1", owner="old", ttl_s=60) as old:
+            old.stop_heartbeat()
+            store.put_json(lease_key("r1"), {**store.get_json(lease_key("r1")), "heartbeat_at": 0.0})   # gone stale
+            with RunLease(store, "r1", owner="new", ttl_s=60, settle_s=0) as new:
+                begin_attempt(store, "r1")          # the new owner's attempt; the old one is marked interrupted
+                theirs = store.get_json("runs/r1/attempts.json")
+                with pytest.raises(LeaseLost):
+                    old.heartbeat()
+                raise LeaseLost("the old owner stops")
+    assert [a["outcome"] for a in theirs] == ["interrupted: the process ended without closing the attempt (killed?)",
+                                              "running"]
+    assert store.get_json("runs/r1/attempts.json") == theirs
+    assert "attempt 0 ended (failed: LeaseLost: the old owner stops) and is not recorded" in caplog.text
