@@ -17,7 +17,7 @@ from tasks.audit import AuditResult, audit_envs
 from tasks.produce import import_envs, produce_envs
 
 
-@flow(name="audit_envs", log_prints=True)
+@flow(name="audit_envs", log_prints=True, validate_parameters=False)   # flows.settings validates
 def audit_envs_flow(envs: EnvsConfig = EnvsConfig(), audit: AuditConfig = AuditConfig(),
                     verify: VerifyConfig = VerifyConfig(), store: StoreConfig = StoreConfig()) -> list[AuditResult]:
     """Produce each family's snapshot, then audit it in the sandbox. The parameters are the

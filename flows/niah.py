@@ -19,7 +19,7 @@ from ratchet.config import NiahConfig, StoreConfig
 from tasks.niah import probe_niah
 
 
-@flow(name="niah", log_prints=True)
+@flow(name="niah", log_prints=True, validate_parameters=False)   # flows.settings validates
 def niah(model: str | None = None, probe: NiahConfig = NiahConfig(), store: StoreConfig = StoreConfig()) -> dict:
     """Bury a key at several depths in contexts of several lengths; recall per cell. `model`: a local
     Hugging Face directory, a checkpoint's key in the store, or empty for the promoted incumbent."""

@@ -53,7 +53,7 @@ def sample_wave(policy, step: int, train: list, cfg: NightlyConfig, ahead: dict)
     return wave
 
 
-@flow(name="nightly", log_prints=True, persist_result=True)
+@flow(name="nightly", log_prints=True, persist_result=True, validate_parameters=False)   # flows.settings validates
 def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
     """Train on audited environments; promote the result only if it beats the incumbent."""
     cfg, = deployment_settings(cfg=cfg)   # a partial override keeps the deployment's other settings

@@ -14,7 +14,7 @@ from ratchet.config import EnvsConfig, StoreConfig
 from tasks.produce import EnvSnapshot, import_envs, produce_envs
 
 
-@flow(name="produce_envs", log_prints=True)
+@flow(name="produce_envs", log_prints=True, validate_parameters=False)   # flows.settings validates
 def produce_envs_flow(envs: EnvsConfig = EnvsConfig(), store: StoreConfig = StoreConfig()) -> list[EnvSnapshot]:
     """Generate, dedup and decontaminate every configured family (and import every configured
     task source); write versioned snapshots."""

@@ -7,8 +7,12 @@ Prefect lays a run's parameters over its deployment's one level deep:
 `prefect deployment run nightly/nightly -p cfg='{"steps": 10}'` replaces the deployment's
 whole `cfg`, and its store and min_gain would be dropped without a word. `deployment_settings`
 gives each parameter back the deployment's value deep-merged under the run's own
-(`ratchet.config.deep_merge`), validated again; a key the run does not give keeps the
-deployment's value. Outside a deployment run (Python, `ratchet run`) it changes nothing.
+(`ratchet.config.deep_merge`), then validated; a key the run does not give keeps the
+deployment's value. The flows leave validation to it (`validate_parameters=False`): Prefect
+would check the run's partial value alone, against the defaults, and refuse one that is valid
+only over the deployment's (`reward.overlong_buffer` 128 over a deployment's
+`rollout.max_new_tokens` 512). Outside a deployment run (Python, `ratchet run`) it validates
+what it was given (a dict, as Prefect passes JSON, or the settings object itself).
 
 `enter_ratchet_home` is the pull step of deploy/prefect.yaml: a worker without RATCHET_HOME
 (or with one that is no ratchet checkout) fails there with one error naming the variable,
@@ -20,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, get_type_hints
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
@@ -30,21 +34,24 @@ from ratchet.config import StoreConfig, deep_merge
 from ratchet.preflight import SettingsError, check_store
 
 
-def deployment_settings(**given: BaseModel) -> tuple[Any, ...]:
-    """The flow's parameters `given` (in their order) as this run should see them: in a run of a
-    deployment, each one the deployment's value deep-merged under what the run was given."""
+def deployment_settings(**given: BaseModel | dict) -> tuple[Any, ...]:
+    """The flow's parameters `given` (in their order) as this run should see them, validated into
+    the settings class the flow declares: in a run of a deployment, each one the deployment's value
+    deep-merged under what the run was given."""
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
-    if run is None or run.deployment_id is None:
-        return tuple(given.values())
-    with get_client(sync_client=True) as client:
-        defaults = client.read_deployment(run.deployment_id).parameters or {}
-    raw = run.parameters or {}   # as stored: the run's own values (Prefect put the deployment's under them, one level deep)
+    declared = get_type_hints(ctx.flow.fn) if ctx else {}
+    defaults, raw = {}, {}
+    if run is not None and run.deployment_id is not None:
+        with get_client(sync_client=True) as client:
+            defaults = client.read_deployment(run.deployment_id).parameters or {}
+        raw = run.parameters or {}   # as stored: the run's own values (Prefect put the deployment's under them, one level deep)
     merged = []
     for name, value in given.items():
+        kind = declared.get(name, type(value))
         if isinstance(defaults.get(name), dict) and isinstance(raw.get(name), dict):
-            value = type(value).model_validate(deep_merge(defaults[name], raw[name]))
-        merged.append(value)
+            value = deep_merge(defaults[name], raw[name])
+        merged.append(kind.model_validate(value) if isinstance(value, dict) else value)
     return tuple(merged)
 
 

@@ -103,3 +103,39 @@ def test_pull_step_with_a_wrong_ratchet_home_names_it(monkeypatch, tmp_path):
 def test_pull_step_enters_ratchet_home(monkeypatch):
     out = _pull(monkeypatch, str(ROOT))
     assert out["directory"] == str(ROOT) and Path.cwd() == ROOT
+
+
+def test_a_partial_override_valid_only_over_the_deployment_reaches_the_merge(monkeypatch):
+    """Found by review: Prefect validated a run's partial cfg alone, against the defaults, before the
+    flow could merge it, so `reward.overlong_buffer` 128 over a deployment's `rollout.max_new_tokens`
+    512 was refused (ParameterTypeError). The flows leave validation to deployment_settings."""
+    from types import SimpleNamespace
+
+    import flows.settings as settings
+    from flows.audit_envs import audit_envs_flow
+    from flows.niah import niah
+    from flows.nightly import nightly
+    from flows.produce_envs import produce_envs_flow
+
+    assert not any(f.should_validate_parameters for f in (nightly, audit_envs_flow, produce_envs_flow, niah))
+    deployment = {"cfg": {"steps": 100, "store": {"uri": "s3://ratchet/prod"}, "rollout": {"max_new_tokens": 512}}}
+    run = {"cfg": {"reward": {"overlong_buffer": 128}}}       # as Prefect stores it: the run's own, one level deep
+    client = SimpleNamespace(read_deployment=lambda _: SimpleNamespace(parameters=deployment))
+
+    class Client:
+        def __enter__(self):
+            return client
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(settings, "get_client", lambda sync_client: Client())
+    context = SimpleNamespace(flow=nightly, flow_run=SimpleNamespace(deployment_id="d", parameters=run))
+    monkeypatch.setattr(settings.FlowRunContext, "get", lambda: context)
+    cfg, = settings.deployment_settings(cfg=run["cfg"])
+    assert isinstance(cfg, NightlyConfig)
+    assert (cfg.reward.overlong_buffer, cfg.rollout.max_new_tokens, cfg.steps, cfg.store.uri) == (128, 512, 100, "s3://ratchet/prod")
+
+    context.flow_run.deployment_id = None                        # not a deployment run: the value alone, validated
+    with pytest.raises(ValueError, match=r"reward.overlong_buffer 128 is longer than an answer can be"):
+        settings.deployment_settings(cfg=run["cfg"])
