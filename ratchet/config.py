@@ -470,8 +470,10 @@ class MonitorConfig(Frozen):
         1.0, gt=0, le=1000, description="KL blow-up: the KL to the reference (nats per token; recorded when a positive rl.kl_coef "
         "puts it in the loss) above this (empty: off).")
     max_approx_kl: float | None = Field(
-        0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before and after each update "
-        "(the trainer's approx_kl, averaged over the wave's updates) above this (empty: off).")
+        0.1, gt=0, le=1000, description="KL blow-up: the approximate KL between the policy before a minibatch's steps "
+        "and after its earlier ones (the trainer's approx_kl, k3, averaged over the wave's passes after each minibatch's "
+        "first) above this (empty: off). Needs train.updates_per_batch 2 or more: with one pass there is nothing to "
+        "compare and no approx_kl is recorded (max_kl watches the KL to the reference).")
     length_drift_factor: float | None = Field(
         2.5, gt=1, le=1000, description="Completion-length drift: the mean completion length (tokens) above this factor "
         "of its baseline, or below its inverse (empty: off). A healthy default run grew 2.2x while its pass rate tripled.")

@@ -12,7 +12,8 @@ metrics, `Trainer.train_wave`) and says whether wave t breaches its threshold:
                                                running best of that mean (once the best >= reward_min_best)
     entropy_collapse  sampled_entropy          < entropy_floor, or < entropy_min_ratio x baseline
     kl_blowup         kl                       > max_kl (KL to the reference, when it is in the loss)
-    kl_blowup         approx_kl                > max_approx_kl (KL between the policy before and after an update)
+    kl_blowup         approx_kl                > max_approx_kl (KL between a minibatch's pi_old and the policy after
+                                               its earlier steps; recorded with train.updates_per_batch >= 2)
     length_drift      completion_tokens_mean   > length_drift_factor x baseline, or < baseline / factor
     env_error_spike   env_error_rate           > max_env_error_rate
     zero_variance     zero_variance_frac       > max_zero_variance_frac

@@ -98,6 +98,9 @@ def _by_size(groups) -> dict[int, list[TrainSample]]:
 
 
 SUMMED_METRICS = ("pg_loss", "value_loss")  # micro-batch values add up to the minibatch's
+# pi against pi_old: on a minibatch's first pass the two are the same weights (ratio 1, KL 0), so these
+# are averaged over its later passes only, the drift of the steps before them; one pass: not measured
+DRIFT_METRICS = ("approx_kl", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean")
 
 
 class Trainer(ABC):
@@ -253,7 +256,11 @@ class Trainer(ABC):
     # -- the wave loop --
     def train_wave(self, samples: list[TrainSample]) -> dict[str, float]:
         """Minibatches of whole groups, `updates_per_batch` optimizer steps each, on the advantages
-        `assign_advantages` set (it is not called here: what was stored is what trains)."""
+        `assign_advantages` set (it is not called here: what was stored is what trains). The module
+        stays in eval mode: dropout would make pi_old a noisy forward, unlike the engine's behaviour
+        log-probs and the reference's (importance weights, KL and ratios away from 1 with no step
+        taken). approx_kl and the clip fractions: over each minibatch's passes after its first
+        (DRIFT_METRICS)."""
         missing = [s for s in samples if s.token_advantages is None and (self.ppo or s.advantage is None)]
         if missing:
             raise ValueError(f"train_wave: {len(missing)} sample(s) have no advantage; call assign_advantages first")
@@ -265,16 +272,17 @@ class Trainer(ABC):
         k = self.cfg.minibatch_prompts
         totals: dict[str, float] = {}
         n_updates = 0
-        self.module.train()
+        self.module.eval()
         for start in range(0, len(order), k):
             minibatch = [s for g in order[start:start + k] for s in groups[g]]
             old: dict[int, Tensor] = {}   # pi_old's log-probs [c] per sample: the first pass's, detached
-            for _ in range(self.cfg.updates_per_batch):
+            for n in range(self.cfg.updates_per_batch):
                 for key, v in self._update(minibatch, old).items():
-                    totals[key] = totals.get(key, 0.0) + v
+                    if n > 0 or key not in DRIFT_METRICS:
+                        totals[key] = totals.get(key, 0.0) + v
                 n_updates += 1
-        self.module.eval()
-        out = {k: v / max(n_updates, 1) for k, v in totals.items()}
+        later = n_updates - n_updates // self.cfg.updates_per_batch      # passes after a minibatch's first
+        out = {k: v / max(later if k in DRIFT_METRICS else n_updates, 1) for k, v in totals.items()}
         # not measured is not 0: `kl` only with a reference in the loss, `entropy` only with its bonus on
         if self.ref_model is None or self.rl.kl_in_reward:
             out.pop("kl", None)

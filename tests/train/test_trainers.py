@@ -247,3 +247,53 @@ def test_deepspeed_offload_and_bf16_train_and_resume(tmp_path, stage, offload, b
     metrics = t.train_wave(t.assign_advantages(tiny.wave(tiny.model(), seed=1, n_groups=2, group_size=4)))
     assert metrics["optimizer_steps"] == 2 and math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     _resume_is_exact(tmp_path, "deepspeed", train, RLConfig())
+
+
+def _gpt2_with_dropout(tmp_path, pdrop: float):
+    """A brought model whose config has dropout (GPT-2's default 0.1), made confident as a trained LM is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tok = tiny.tokenizer()
+    torch.manual_seed(0)
+    m0 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                    resid_pdrop=pdrop, embd_pdrop=pdrop, attn_pdrop=pdrop,
+                                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    with torch.no_grad():
+        m0.transformer.ln_f.weight.mul_(30)
+    save_policy(m0, tok, tmp_path / "m")
+    return load_policy(tmp_path / "m")
+
+
+def test_a_model_with_dropout_trains_on_its_behaviour_policy_exactly(tmp_path):
+    """Found by review: the trainer ran its forwards in train mode, so for a model with dropout pi_old was
+    a noisy forward: with no step taken (lr 1e-12), importance weights 1.23, KL to the reference 0.56,
+    ratios 1.98. In eval mode they are 1, 0 and 1, as without dropout."""
+    model, tokenizer = _gpt2_with_dropout(tmp_path, 0.1)
+    wave = tiny.wave(model.eval(), seed=3, n_groups=4, group_size=4)     # behaviour log-probs from this policy
+    t = TorchTrainer(model, tokenizer.pad_token_id, TrainConfig(lr=1e-12, minibatch_prompts=4, updates_per_batch=2),
+                     RLConfig(kl_coef=0.1))
+    m = t.train_wave(t.assign_advantages(wave))
+    assert m["is_weight_mean"] == pytest.approx(1.0, abs=1e-5) and m["is_capped_frac"] == 0
+    assert m["kl"] == pytest.approx(0.0, abs=1e-5) and m["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_approx_kl_measures_the_drift_after_a_minibatchs_first_pass():
+    """Found by review: approx_kl averaged in each minibatch's first pass, where pi is pi_old (0 by
+    construction): with one pass per minibatch it read 0 whatever the step did, and the KL monitor could not
+    trip. Now the later passes alone; with one pass it is not recorded (nothing to compare)."""
+    model = tiny.model()
+    wave = tiny.wave(model, seed=3, n_groups=4, group_size=4)
+    drift = {}
+    for passes in (1, 3):
+        t = TorchTrainer(tiny.model(), pad_id(), TrainConfig(lr=3e-2, minibatch_prompts=2, updates_per_batch=passes),
+                         RLConfig())
+        per_pass = []
+        update = t._update
+        t._update = lambda mb, old: per_pass.append(update(mb, old)) or per_pass[-1]
+        drift[passes] = (t.train_wave(t.assign_advantages([replace(s) for s in wave])), per_pass)
+    one, _ = drift[1]
+    assert "approx_kl" not in one and "clip_frac" not in one and one["optimizer_steps"] == 2
+    three, per_pass = drift[3]
+    assert [round(p["approx_kl"], 12) for p in per_pass[::3]] == [0.0, 0.0]          # the first passes: pi is pi_old
+    later = [p["approx_kl"] for i, p in enumerate(per_pass) if i % 3]
+    assert min(later) > 0 and three["approx_kl"] == pytest.approx(sum(later) / 4)
