@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,10 +49,14 @@ def set_aside_evaluations(store, run_id: str, resumed_at: int) -> list[str]:
     return moved
 
 
-def protocol(cfg: NightlyConfig) -> dict:
-    """What an evaluation's figures depend on besides the weights and the tasks: two records are
-    compared (promotion, the vertical table) only under one protocol."""
-    return _as_judged({"n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
+def protocol(cfg: NightlyConfig, heldout: list[Ref]) -> dict:
+    """What an evaluation's figures depend on besides the weights: two records are compared
+    (promotion, the vertical table) only under one protocol. `heldout_tasks`: the held-out tables'
+    bytes (a family's code fixed between a crash and its resume makes new tasks under the same ids);
+    `confidence`: the level its intervals were computed at."""
+    tasks = hashlib.sha256(" ".join(r.sha256 for r in heldout).encode()).hexdigest()[:16]
+    return _as_judged({"heldout_tasks": tasks, "confidence": cfg.eval.confidence,
+                       "n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
                        "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
                        "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass,
                        # the sandbox's limits decide pass and fail, and its feedback an episode's next turn
@@ -75,7 +80,7 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     protocols, or fail at promotion after all its training)."""
     store = open_store(cfg.store)
     key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
-    now = protocol(cfg)
+    now = protocol(cfg, heldout)
     if store.exists(f"{key}.json"):
         kept = store.get_json(f"{key}.json")
         was = {**now, **_as_judged(kept.get("protocol", now))}   # what a record from before a key was kept lacks: as now
@@ -105,7 +110,7 @@ def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: Nigh
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     key = f"runs/{policy.run_id}/eval/incumbent.json"
-    now, judged_under = pointer.uri if pointer else None, protocol(cfg)
+    now, judged_under = pointer.uri if pointer else None, protocol(cfg, heldout)
     if store.exists(key):
         kept = store.get_json(key)
         if (now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None)

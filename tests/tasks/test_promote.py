@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.logging import disable_run_logger
 
 from ratchet.config import EvalConfig, NightlyConfig, StoreConfig
-from ratchet.store import open_store
+from ratchet.store import Ref, open_store
 from ratchet.train.session import PolicyRef
 from tasks.evaluate import INCUMBENT, promote
 
@@ -91,7 +91,7 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
 
     cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)))
     store = open_store(cfg.store)
-    kept = {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg)}
+    kept = {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg, [])}
     store.put_json("runs/r/eval/000000.json", kept)
     base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
     assert evaluate.fn(base, [], cfg) == kept                                   # the same settings: reused
@@ -102,7 +102,16 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
     longer = cfg.model_copy(update={"verify": cfg.verify.model_copy(update={"timeout_s": 60.0})})   # found by review:
     with pytest.raises(ValueError, match=r"verify_timeout_s 5.0; this attempt has verify_timeout_s 60.0"):  # a "gain"
         evaluate.fn(base, [], longer)
-    older = {**kept, "protocol": {k: v for k, v in kept["protocol"].items() if not k.startswith(("verify_", "feedback"))}}
+    # found by review: a run resumed on other held-out tasks (a family's code fixed meanwhile: new tasks under the
+    # same ids) or another confidence level reused its base record, pairing results on other tasks at promotion
+    other_tasks = [Ref(uri=f"file://{tmp_path}/envs/f/v2/heldout_passed.parquet", sha256="b" * 64, size=1)]
+    with pytest.raises(ValueError, match=r"evaluated with heldout_tasks '[0-9a-f]{16}'; this attempt has heldout_tasks"):
+        evaluate.fn(base, other_tasks, cfg)
+    wider = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"confidence": 0.9})})
+    with pytest.raises(ValueError, match=r"evaluated with confidence 0.95; this attempt has confidence 0.9"):
+        evaluate.fn(base, [], wider)
+    older = {**kept, "protocol": {k: v for k, v in kept["protocol"].items()
+                                  if not k.startswith(("verify_", "feedback", "heldout", "confidence"))}}
     store.put_json("runs/r/eval/000000.json", older)      # kept before the protocol named the sandbox's limits
     assert evaluate.fn(base, [], cfg) == older
 
@@ -121,11 +130,11 @@ def test_a_greedy_evaluation_is_reused_under_another_temperature_or_seed_and_a_s
 
     store = open_store(StoreConfig(uri=str(tmp_path)))
     base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
-    before_the_rule = {**protocol(cfg_with(1, 1.0, 0)), "temperature": 1.0, "seed": 0}
+    before_the_rule = {**protocol(cfg_with(1, 1.0, 0), []), "temperature": 1.0, "seed": 0}
     store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": before_the_rule})
-    assert protocol(cfg_with(1, 0.7, 3)) == protocol(cfg_with(1, 1.0, 0))
+    assert protocol(cfg_with(1, 0.7, 3), []) == protocol(cfg_with(1, 1.0, 0), [])
     assert evaluate.fn(base, [], cfg_with(1, 0.7, 3))["pass_rate"] == 0.5          # reused, not evaluated again
-    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg_with(4, 1.0, 0))})
+    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg_with(4, 1.0, 0), [])})
     assert evaluate.fn(base, [], cfg_with(4, 1.0, 0))["pass_rate"] == 0.5
     with pytest.raises(ValueError, match=r"evaluated with temperature 1.0; this attempt has temperature 0.7"):
         evaluate.fn(base, [], cfg_with(4, 0.7, 0))
