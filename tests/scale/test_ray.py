@@ -101,3 +101,68 @@ def test_every_payload_field_travels_to_the_nodes():
     assert all(getattr(p, f.name) not in (None, (), {}, b"", False) or f.name in ("code", "argv")
                for f in dataclasses.fields(Payload))                         # a new field must be set here too
     assert _unwire(pickle.loads(pickle.dumps(_wire(p)))) == p
+
+
+def _within(seconds: float, call):
+    """call()'s value, or a failure if it has not returned in `seconds` (it is left running on a daemon
+    thread): a regression that hangs fails instead of hanging the suite."""
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(call()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert got, f"did not return within {seconds:g} s"
+    return got[0]
+
+
+def test_a_concurrency_above_every_nodes_sandbox_resource_runs_at_the_largest_nodes_size(ray_cluster):
+    """concurrency 8 on nodes of {"sandbox": 2}: the chunk asks for 2 and runs 2 at a time (asking for 4,
+    no node could ever take it: Ray leaves such a task pending, and the call waited forever)."""
+    from ratchet.sandbox import Limits, Payload
+    from ratchet.scale.ray_executor import RayExecutor
+
+    address, _ = ray_cluster
+    code = "import time\nt = time.time()\ntime.sleep(0.5)\nprint(t, time.time())\n"
+    payloads = [Payload(code=code + f"# run {i}") for i in range(4)]
+    results = _within(60, lambda: RayExecutor(address, 4).run_many(payloads, Limits(wall_s=20, cpu_s=5), 8))
+    assert [r.infra_error for r in results] == [None] * 4 and [r.exit_code for r in results] == [0] * 4
+    spans = [tuple(map(float, r.stdout.split())) for r in results]
+    overlap = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+    assert overlap <= 2, spans                     # one chunk on one node: no more at once than it holds
+
+
+def test_chunks_that_never_finish_come_back_as_infra_errors_and_give_their_slots_back(ray_cluster, monkeypatch):
+    """A chunk that neither finishes nor fails (here its task sleeps; in life, e.g. every sandbox node
+    left after it was submitted) is cancelled once none has finished for a chunk's wall-clock
+    limits plus STALL_S, and its payloads come back as infra errors saying so."""
+    import ray
+    from ratchet.sandbox import Limits, Payload
+    from ratchet.scale import ray_executor
+
+    def stuck(wired, limits, concurrency):
+        import time
+        time.sleep(600)
+
+    address, _ = ray_cluster
+    monkeypatch.setattr(ray_executor, "_remote", ray.remote(stuck))
+    monkeypatch.setattr(ray_executor, "STALL_S", 1.0)
+    payloads = [Payload(code="print(1)")] * 3
+    results = _within(60, lambda: ray_executor.RayExecutor(address, 2).run_many(payloads, Limits(wall_s=1, cpu_s=1), 2))
+    assert len(results) == 3
+    for r in results:
+        assert "no chunk finished in 2 s (chunks of 2 runs, 2 at a time), so the 2 still out were cancelled" in r.infra_error
+        assert f"the largest alive node now offers 2 {ray_executor.RESOURCE!r} slots" in r.infra_error
+    until(lambda: ray.available_resources().get(ray_executor.RESOURCE) == 4, timeout=30, every=0.1,
+          what=lambda: f"the cancelled chunks' slots back, {ray.available_resources().get(ray_executor.RESOURCE)} of 4 free")
+
+
+def test_a_cluster_whose_sandbox_nodes_are_all_gone_fails_in_one_line(ray_cluster, monkeypatch):
+    import ray
+    from ratchet.scale.ray_executor import connect
+
+    address, _ = ray_cluster
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": False, "Resources": {"sandbox": 2.0}},
+                                               {"Alive": True, "Resources": {"CPU": 1.0}}])
+    with pytest.raises(RuntimeError, match="no alive node of the Ray cluster .* offers a 'sandbox' resource"):
+        connect(address)
