@@ -14,13 +14,13 @@ are spread over the nodes (SPREAD scheduling). On the node, the task runs its ch
 `ratchet.sandbox.run_many` in that Ray worker process (a long-lived process: its zygotes stay
 warm between chunks).
 
-A chunk whose Ray task fails (its node or worker died, after Ray's own retries) comes back as
-infra_error results, and so do the chunks still out when none has finished for the time one
-chunk's runs may take plus STALL_S (they are cancelled: e.g. every sandbox node left the cluster
-after they were submitted): the verifier retries them, and what keeps failing is an env_error,
-never a model failure. A payload whose interpreter (`python=`, a task runtime built on the driver under
-`$RATCHET_RUNTIMES`) does not exist on the node comes back the same way: put the runtime cache
-on a path every node shares.
+A chunk whose Ray task fails (its node or worker died, after Ray's own retries; or it raised:
+the message then names what it raised) comes back as infra_error results, and so do the chunks
+still out when none has finished for the time one chunk's runs may take plus STALL_S (they are
+cancelled: e.g. every sandbox node left the cluster after they were submitted): the verifier
+retries them, and what keeps failing is an env_error, never a model failure. A payload whose
+interpreter (`python=`, a task runtime built on the driver under `$RATCHET_RUNTIMES`) does not
+exist on the node comes back the same way: put the runtime cache on a path every node shares.
 """
 from __future__ import annotations
 
@@ -147,12 +147,23 @@ class RayExecutor(StatsMixin):
             try:
                 node, results, counted = ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                done[i] = [RunResult.infra(f"ray task failed: {type(e).__name__}: {first}")] * len(chunks[i])
+                log.warning("ray chunk of %d runs failed: %s", len(chunks[i]), e)   # a raise: the remote traceback
+                done[i] = [RunResult.infra(_failed(e))] * len(chunks[i])
                 continue
             self._add(counted, {node})
             done[i] = results
         return [r for i in range(len(chunks)) for r in done[i]]
+
+
+def _failed(e: Exception) -> str:
+    """A failed chunk's message. A RayTaskError's own text starts with a `ray::run_chunk() (pid, ip)`
+    header: what the task raised is its cause. Anything else is Ray's (a worker or node died)."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        return f"ray task raised {type(e.cause).__name__}: {str(e.cause)[:1000]}"
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"ray task failed: {type(e).__name__}: {first}"
 
 
 def _stalled(stall_s: float, left: int, size: int, k: int) -> str:

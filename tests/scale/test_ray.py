@@ -1,5 +1,7 @@
 """Verification fanned out over a local Ray cluster (two worker nodes, started by the
-`ray_cluster` fixture): the chunks land on both nodes and the verdicts are the local executor's.
+`ray_cluster` fixture): the chunks land on both nodes and the verdicts are the local executor's;
+a concurrency above every node's "sandbox" resource still runs, and a chunk that fails or never
+finishes comes back as infra errors that say why.
 The tiny flow with Ray verification and local training: tests/flows/test_scale_ray.py."""
 
 from __future__ import annotations
@@ -166,3 +168,36 @@ def test_a_cluster_whose_sandbox_nodes_are_all_gone_fails_in_one_line(ray_cluste
                                                {"Alive": True, "Resources": {"CPU": 1.0}}])
     with pytest.raises(RuntimeError, match="no alive node of the Ray cluster .* offers a 'sandbox' resource"):
         connect(address)
+
+
+def test_a_chunk_whose_task_raises_names_what_it_raised(ray_cluster, monkeypatch):
+    """The first line of a RayTaskError is its `ray::fn() (pid, ip)` header: the message must carry
+    the cause (a bug or a version skew on the node) instead."""
+    import ray
+    from ratchet.sandbox import Payload
+    from ratchet.scale import ray_executor
+
+    def raises(wired, limits, concurrency):
+        raise ValueError("the real cause: limits has no wall_s")
+
+    address, _ = ray_cluster
+    monkeypatch.setattr(ray_executor, "_remote", ray.remote(max_retries=0)(raises))
+    results = _within(60, lambda: ray_executor.RayExecutor(address, 2).run_many([Payload(code="print(1)")] * 2))
+    assert len(results) == 2
+    for r in results:
+        assert r.infra_error == "ray task raised ValueError: the real cause: limits has no wall_s"
+
+
+def test_a_chunk_whose_worker_dies_is_an_infra_error_naming_rays_error(ray_cluster, monkeypatch):
+    import ray
+    from ratchet.sandbox import Payload
+    from ratchet.scale import ray_executor
+
+    def dies(wired, limits, concurrency):
+        import os
+        os._exit(1)
+
+    address, _ = ray_cluster
+    monkeypatch.setattr(ray_executor, "_remote", ray.remote(max_retries=0)(dies))
+    results = _within(60, lambda: ray_executor.RayExecutor(address, 2).run_many([Payload(code="print(1)")] * 2))
+    assert [r.infra_error.startswith("ray task failed: WorkerCrashedError: ") for r in results] == [True, True]
