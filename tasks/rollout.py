@@ -9,7 +9,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from envs.snapshot import load_specs
-from ratchet import stages
+from ratchet import stages, trace
 from ratchet.config import NightlyConfig
 from ratchet.rollout.behaviour import cpu_share
 from ratchet.scale import executor_for
@@ -39,5 +39,6 @@ def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: N
     if behaviour.syncs != syncs:
         get_run_logger().info("wave %d: %s engine synced to policy v%d in %.3f s", step, cfg.rollout.engine,
                               policy.version, behaviour.last_sync_s)
-    key = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet"
-    return open_store(cfg.store).write_table(key, frame), stats
+    key, store = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet", open_store(cfg.store)
+    trace.drop_later_tables(store, key)
+    return store.write_table(key, frame), stats

@@ -237,3 +237,20 @@ def test_cli_show_and_replay(wave):
     res = CliRunner().invoke(app, ["trace", "replay", RUN, "--task", a.task_id, *base])
     assert res.exit_code == 0, res.output
     assert res.stdout.rstrip().endswith("reproduced: 4/4 samples give the stored reward")
+
+
+def test_a_wave_scored_again_is_traced_from_its_new_table_not_an_earlier_attempts(tmp_path, production):
+    """Found by review: a wave redone after a resume rewrote trajectories and scored tables but left
+    the earlier attempt's trained.parquet, which `trace show` reads first: a redo that stopped at the
+    gate showed the old attempt's clean rows. Writing a wave table drops the tables made from it."""
+    from ratchet.trace import drop_later_tables
+    from tasks.score import score_wave
+
+    cfg, _ = make_wave(str(tmp_path), production)
+    store = open_store(str(tmp_path))
+    prefix = f"runs/{RUN}/waves/{STEP:06d}"
+    assert load_wave(store, RUN, STEP).table == "trained.parquet"
+    score_wave.fn(store.ref(f"{prefix}/trajectories.parquet"), [save_production(store, production)["train"]], cfg)
+    assert not store.exists(f"{prefix}/trained.parquet") and load_wave(store, RUN, STEP).table == "scored.parquet"
+    drop_later_tables(store, f"{prefix}/trajectories.parquet")       # what rollout_wave does before it writes
+    assert load_wave(store, RUN, STEP).table == "trajectories.parquet"
