@@ -49,8 +49,14 @@ def end_attempt(store: ArtifactStore, run_id: str, attempt: int, outcome: str) -
     store.put_json(f"runs/{run_id}/attempts.json", attempts)
     key = f"runs/{run_id}/summary.json"
     summary = store.get_json(key) if store.exists(key) else None
-    if summary and any(s.get("attempt") == attempt and s.get("outcome") == "running" for s in summary["attempts"]):
-        store.put_json(key, {**summary, **_attempt_fields(attempts)})   # written while it ran (a health stop)
+    if summary:   # its attempts as they ended (one written while this attempt ran: a health stop, the last write)
+        fresh = {**summary, **_attempt_fields(attempts)}
+        if not any(s["attempt"] == attempt for s in summary["attempts"]):
+            # written by an earlier attempt (its health stop, its promotion): this one ended without a summary
+            # of its own, and went further or not; every wave recorded now, and whose the other fields are
+            fresh["history"] = history(store, run_id, summary.get("steps", len(summary["history"])))
+            fresh["fields_from_attempt"] = summary.get("fields_from_attempt", max(s["attempt"] for s in summary["attempts"]))
+        store.put_json(key, fresh)
     return a
 
 

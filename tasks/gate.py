@@ -14,6 +14,7 @@ from ratchet.config import NightlyConfig
 from ratchet.data.gates import check_wave
 from ratchet.store import Ref, open_store
 from tasks.retry import transient_only
+from tasks.watch import publish
 
 
 @task(cache_policy=NO_CACHE)
@@ -35,7 +36,8 @@ def gate_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> Ref:
 def check_health(run_id: str, step: int, cfg: NightlyConfig) -> None:
     """The health monitors (`ratchet.monitor`) over the run's recorded waves up to `step`. A tripped
     one is written into the wave's stats.json (`alarms`) and the run's summary.json (`health`),
-    published as an artifact, and raised: `HealthCheckFailed` stops the run before promotion."""
+    published as an artifact beside the curves up to the wave, and raised: `HealthCheckFailed`
+    stops the run before promotion."""
     if not cfg.monitor.enabled:
         return
     store = open_store(cfg.store)
@@ -48,10 +50,11 @@ def check_health(run_id: str, step: int, cfg: NightlyConfig) -> None:
     failed = monitor.HealthCheckFailed(alarms)
     found = [a.to_dict() for a in alarms]
     summaries.record_wave(store, run_id, step, {**history[-1], "alarms": found})
-    summaries.write_summary(store, run_id, {
+    summaries.write_summary(store, run_id, {   # waves up to this one: an earlier attempt may have recorded later ones
         "run_id": run_id, "steps": cfg.steps, "policy_version": step + 1, "promoted": False,
         "promotion": f"not evaluated: the run stopped at wave {step}: {failed}", "health": found,
-        "config": cfg.model_dump(mode="json")}, cfg.steps)
+        "config": cfg.model_dump(mode="json")}, step + 1)
+    publish(store, run_id, step + 1, cfg)     # the curves up to the stop (watch.every may be 0: only at the end)
     create_markdown_artifact("\n".join([f"# Health check failed: run {run_id}, wave {step}", "",
                                          *[f"- **{a.monitor}** {a.message()}" for a in alarms]]),
                              key="health-check", description=f"run {run_id} stopped at wave {step}")

@@ -23,16 +23,17 @@ def watch_wave(run_id: str, step: int, stats: dict, cfg: NightlyConfig) -> None:
     if cfg.watch.tensorboard:
         watch.write_tensorboard(store, run_id, step, stats)
     if cfg.watch.every and (step + 1) % cfg.watch.every == 0 and step + 1 < cfg.steps:
-        _publish(store, run_id, step + 1, cfg)
+        publish(store, run_id, step + 1, cfg)
 
 
 @task(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=transient_only, cache_policy=NO_CACHE)
 def publish_curves(run_id: str, cfg: NightlyConfig) -> dict[str, str]:
     """At the end of training: the whole run's curves and table (store URIs by name)."""
-    return _publish(open_store(cfg.store), run_id, cfg.steps, cfg)
+    return publish(open_store(cfg.store), run_id, cfg.steps, cfg)
 
 
-def _publish(store: ArtifactStore, run_id: str, upto: int, cfg: NightlyConfig) -> dict[str, str]:
+def publish(store: ArtifactStore, run_id: str, upto: int, cfg: NightlyConfig) -> dict[str, str]:
+    """Waves 0 to upto - 1: the curves and table as an artifact, drawn into the store (URIs by name)."""
     view = watch.render(store, run_id, summaries.history(store, run_id, upto), cfg.watch.plots)
     create_markdown_artifact(watch.report_markdown(run_id, view),
                              key=re.sub(r"[^a-z0-9-]+", "-", f"curves-{run_id.lower()}")[:100],

@@ -32,6 +32,8 @@ def test_a_tripped_monitor_stops_the_run_before_promotion(prefect_harness, tmp_p
     assert summary["promoted"] is False and summary["health"] == [alarm]
     assert summary["promotion"].startswith("not evaluated: the run stopped at wave 1: entropy collapse at wave 1")
     assert [h["step"] for h in summary["history"]] == [0, 1]
+    assert store.exists("runs/sick/plots/curves.png")           # the curves up to the stop (watch.every 10: none yet)
+    assert "| 1 |" in store.get_bytes("runs/sick/plots/scalars.md").decode()
     [attempt] = store.get_json("runs/sick/attempts.json")
     assert attempt["outcome"].startswith("failed: HealthCheckFailed: entropy collapse at wave 1: sampled_entropy")
     [closed] = summary["attempts"]                                          # closed in the summary too
