@@ -1,12 +1,15 @@
 """deploy/ agrees with itself: one set of work-pool names in prefect.yaml, docker-compose,
 k8s and the README, a worker for every pool in each, the settings every worker needs, a GPU
-for the trainer, and an image that carries no local environment or store."""
+for the trainer, an image that carries no local environment or store, and DeepSpeed launcher
+commands in the docs that DeepSpeed's launcher accepts."""
 
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,3 +95,32 @@ def test_the_image_carries_no_local_environment_store_or_history():
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".venv", ".ratchet", ".git"} <= ignored
+
+
+# a `deepspeed` launcher command in deploy/*.md (after joining `\` continuations), up to a comment or a closing backtick
+DEEPSPEED_COMMAND = re.compile(r"(?<![\w./-])deepspeed[ \t]+(-[^`\n#]*)")
+
+
+def _deepspeed_commands() -> list[tuple[str, str]]:
+    return [(path.name, m.group(1).strip()) for path in sorted(DEPLOY.glob("*.md"))
+            for m in DEEPSPEED_COMMAND.finditer(path.read_text().replace("\\\n", " "))]
+
+
+def test_deepspeed_commands_in_the_docs_are_ones_its_launcher_accepts():
+    """DeepSpeed's launcher takes `--module NAME`; `-m` (torchrun's and python's spelling) stops it
+    with `unrecognized arguments: -m`. Each command is parsed by the launcher's own argparse
+    where DeepSpeed is installed; the spelling is checked everywhere."""
+    commands = _deepspeed_commands()
+    assert len(commands) >= 5, commands   # README.md 2, deepspeed.md 3
+    assert [(where, c) for where, c in commands if "-m" in shlex.split(c)] == []
+    assert [(where, c) for where, c in commands if "--module ratchet.train.launch" not in c] == []
+    try:
+        from deepspeed.launcher.runner import parse_args
+    except ImportError:
+        return
+    for where, command in commands:
+        try:
+            args = parse_args(shlex.split(command))
+        except SystemExit:
+            pytest.fail(f"{where}: DeepSpeed's launcher refuses `deepspeed {command}`")
+        assert args.module and args.user_script == "ratchet.train.launch", (where, command)
