@@ -20,6 +20,7 @@ COMPOSE = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"
 K8S = [doc for path in sorted((DEPLOY / "k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
 WORKER_SETTINGS = {"PREFECT_API_URL", "RATCHET_HOME", "RATCHET_S3_ENDPOINT", "RATCHET_S3_SECURE"}
 POOL_ARG = re.compile(r"(?:--pool|work-pool create)['\",\s]+([A-Za-z0-9_-]+)")   # also `"--pool", "x"` in a list
+LIMIT_ARG = re.compile(r"--limit['\",\s]+(\d+)")
 
 
 def _pool(command: str | list[str]) -> str | None:
@@ -80,6 +81,21 @@ def test_the_trainer_gets_a_gpu_and_the_cpu_workers_the_sandbox_runtime():
     cpu = _k8s_workers()["ratchet-cpu"]["spec"]["template"]["spec"]
     [runtime] = [doc for doc in K8S if doc["kind"] == "RuntimeClass"]
     assert cpu["runtimeClassName"] == runtime["metadata"]["name"]
+
+
+def test_a_trainer_worker_runs_one_flow_run_at_a_time():
+    """One flow run per trainer worker (its GPU): `--limit 1` on every trainer worker command, in
+    compose, k8s and the README; the cpu workers run as many as they like."""
+    def limits(command: str | list[str]) -> list[str]:
+        return LIMIT_ARG.findall(command if isinstance(command, str) else " ".join(command))
+
+    trainer = _k8s_workers()["ratchet-trainer"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert limits(_compose_workers()["ratchet-trainer"]["command"]) == ["1"]
+    assert limits(trainer) == ["1"]
+    assert limits(_compose_workers()["ratchet-cpu"]["command"]) == []
+    readme = (DEPLOY / "README.md").read_text()
+    started = re.findall(r"worker start --pool ratchet-trainer\b[^\n`]*", readme)
+    assert started and all(limits(line) == ["1"] for line in started), started
 
 
 def test_compose_registers_the_deployments_before_the_workers_start():

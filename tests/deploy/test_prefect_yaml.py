@@ -90,3 +90,13 @@ def test_the_scheduled_audit_feeds_the_scheduled_nightly():
         assert rest == ["*", "*", "*"] and schedule["timezone"] == "UTC"
         return int(h) * 60 + int(minute)
     assert hour("audit-envs") < hour("nightly")
+
+
+def test_one_nightly_at_a_time():
+    """A second nightly (a UI Custom run during the 02:00 run) waits for the first: the nightly
+    deployment has a concurrency limit of 1 that enqueues, in the shape `prefect deploy` reads
+    (Prefect's own schema). The trainer workers' `--limit 1` is test_manifests'."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+    limit = ConcurrencyLimitConfig.model_validate(_deployment("nightly")["concurrency_limit"])
+    assert limit.limit == 1 and limit.collision_strategy == ConcurrencyLimitStrategy.ENQUEUE

@@ -12,7 +12,8 @@ the REST API, the request the UI's run form sends:
    no min_gain), which Prefect stores as given, one level deep; the flow deep-merges it over the
    deployment's parameters, so the run keeps the store and `eval.min_gain: 0.01`.
 
-Checked: both runs COMPLETED; the nightly trained on the audit run's snapshot (one snapshot
+Checked: the nightly registered with its concurrency limit (1, ENQUEUE), and ran under it; both
+runs COMPLETED; the nightly trained on the audit run's snapshot (one snapshot
 version in the store); its summary.json and summary artifact; its persisted result read back
 through Prefect; the deployment's settings kept. Server and workers are stopped at the end,
 whatever happened. About 2 minutes on 2 cores.
@@ -161,8 +162,10 @@ def stack(tmp_path, s3_env):
         worker_env = {**env, **s3_env, "RATCHET_HOME": str(ROOT),
                       "PYTHONPATH": str(ROOT),               # the pull step imports flows.settings from this checkout
                       "PREFECT_WORKER_QUERY_SECONDS": "5"}   # pick a run up within 5 s (default 10)
-        for pool in POOLS:   # step 4
-            procs.start(f"worker-{pool}", [PREFECT, "worker", "start", "--pool", pool, "--type", "process"], worker_env)
+        for pool in POOLS:   # step 4: the trainer worker with --limit 1
+            limit = ["--limit", "1"] if pool == "ratchet-trainer" else []
+            procs.start(f"worker-{pool}", [PREFECT, "worker", "start", "--pool", pool, "--type", "process", *limit],
+                        worker_env)
         deployed = subprocess.run([PREFECT, "--no-prompt", "deploy", "--prefect-file", "deploy/prefect.yaml", "--all"],
                                   cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)   # step 5
         assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
@@ -223,6 +226,9 @@ def test_deployments_on_a_real_server(stack, s3_env):
     nightly_dep = _deployment(api, "nightly")
     kept = nightly_dep["parameters"]["cfg"]
     assert kept["store"]["uri"].startswith("s3://") and kept["eval"]["min_gain"] > 0   # what must survive the override
+    # `prefect deploy` registered prefect.yaml's concurrency_limit: one nightly at a time, the next enqueued
+    assert nightly_dep["global_concurrency_limit"]["limit"] == 1, nightly_dep["global_concurrency_limit"]
+    assert nightly_dep["concurrency_options"]["collision_strategy"] == "ENQUEUE"
 
     for pool in POOLS:   # every pool a deployment names has a worker polling it
         until(lambda: [w for w in _post(api, f"/work_pools/{pool}/workers/filter", {}) if w["status"] == "ONLINE"],
