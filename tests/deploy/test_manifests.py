@@ -1,7 +1,8 @@
 """deploy/ agrees with itself: one set of work-pool names in prefect.yaml, docker-compose,
 k8s and the README, a worker for every pool in each, the settings every worker needs, a GPU
-for the trainer, an image that carries no local environment or store, and DeepSpeed launcher
-commands in the docs that DeepSpeed's launcher accepts."""
+for the trainer, an image that carries no local environment or store, an egress policy that lets
+the workers reach the Prefect API, the store and DNS, and DeepSpeed launcher commands in the docs
+that DeepSpeed's launcher accepts."""
 
 from __future__ import annotations
 
@@ -96,6 +97,37 @@ def test_a_trainer_worker_runs_one_flow_run_at_a_time():
     readme = (DEPLOY / "README.md").read_text()
     started = re.findall(r"worker start --pool ratchet-trainer\b[^\n`]*", readme)
     assert started and all(limits(line) == ["1"] for line in started), started
+
+
+def _allows(rule: dict, protocol: str, port: int) -> bool:
+    return any(p.get("protocol", "TCP") == protocol and p["port"] == port for p in rule.get("ports", []))
+
+
+def test_the_workers_egress_policy_lets_them_reach_the_api_the_store_and_dns():
+    """The policy selects both workers' pods and allows, on the ports the ConfigMap's URLs name,
+    the Prefect server pods as the prefect-server Helm chart labels them (PrefectHQ/prefect-helm:
+    `app.kubernetes.io/name: prefect-server`, component `server`; an `app: prefect-server`
+    selector matched nothing there), MinIO, and DNS over UDP and TCP."""
+    [policy] = [doc for doc in K8S if doc["kind"] == "NetworkPolicy"]
+    selector = policy["spec"]["podSelector"]
+    [expression] = selector["matchExpressions"]
+    for deployment in _k8s_workers().values():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert expression["operator"] == "In" and labels[expression["key"]] in expression["values"], labels
+    [config] = [doc["data"] for doc in K8S if doc["kind"] == "ConfigMap"]
+    api_port = int(re.fullmatch(r"https?://[^:/]+:(\d+)/api", config["PREFECT_API_URL"]).group(1))
+    s3_port = int(config["RATCHET_S3_ENDPOINT"].rsplit(":", 1)[1])
+    egress = policy["spec"]["egress"]
+
+    def peers(protocol: str, port: int) -> list[dict]:
+        return [peer.get("podSelector", {}).get("matchLabels", {}) for rule in egress if _allows(rule, protocol, port)
+                for peer in rule["to"]]
+
+    assert {"app.kubernetes.io/name": "prefect-server", "app.kubernetes.io/component": "server"} in peers("TCP", api_port)
+    assert {"app": "minio"} in peers("TCP", s3_port)
+    assert {"k8s-app": "kube-dns"} in peers("UDP", 53) and {"k8s-app": "kube-dns"} in peers("TCP", 53)
+    assert all(rule.get("ports") for rule in egress)          # no rule opens every port
+    assert policy["spec"]["ingress"] == [] and "Ingress" in policy["spec"]["policyTypes"]
 
 
 def test_compose_registers_the_deployments_before_the_workers_start():
