@@ -71,9 +71,11 @@ def _deployment(name: str) -> dict:
     return d
 
 
-def test_the_scheduled_audit_feeds_the_scheduled_nightly():
+def test_the_scheduled_audit_reports_on_what_the_scheduled_nightly_trains_on():
     """audit-envs and produce-envs use the nightly's own store, envs, audit and verify sections
-    (validated, so a spelled-out default equals an omitted one), and the audit runs first."""
+    (validated, so a spelled-out default equals an omitted one), so the 00:00 audit produces and
+    audits the snapshots the nightly trains on (which the nightly audits again itself), and it
+    runs first."""
     from ratchet.config import NightlyConfig
 
     nightly = NightlyConfig.model_validate(_deployment("nightly")["parameters"]["cfg"])

@@ -248,7 +248,8 @@ def test_deployments_on_a_real_server(stack, s3_env):
     assert summary["config"]["eval"]["n_tasks"] == TINY["eval"]["n_tasks"] and summary["config"]["steps"] == 1
     assert summary["attempts"][-1]["outcome"] == "completed"
 
-    # the audit run fed the nightly: one snapshot version (same store, same settings), audited by both
+    # the audit run's snapshot is the nightly's: one snapshot version (same store, same settings),
+    # produced by the audit run, reused by the nightly, audited by both
     family = summary["config"]["envs"]["families"][0]
     assert len(store.get_json(f"envs/{family}/versions.json")) == 1
 
