@@ -12,7 +12,7 @@ many micro-batches as its rows' lengths and skipped rows make; ZeRO-2 reduces in
 and ZeRO-3 gathers in every forward, so a rank with fewer pads with zero-loss passes
 (`_micro_batch_count`) and every rank runs the same collectives.
 
-Launched by the DeepSpeed launcher (`deepspeed --hostfile ... -m ...`, see deploy/deepspeed.md)
+Launched by the DeepSpeed launcher (`deepspeed --hostfile ... --module ...`, see deploy/deepspeed.md)
 the process group comes from its RANK/WORLD_SIZE/MASTER_* variables; otherwise (a Prefect
 worker, a test) a one-process gloo/nccl group on 127.0.0.1 and a free port is started here.
 

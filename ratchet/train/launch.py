@@ -1,7 +1,7 @@
 """Multi-process training: one RL epoch on a stored wave with the DeepSpeed trainer, across N processes.
 
-    deepspeed --num_gpus 8 -m ratchet.train.launch --config run.json --run-id RUN --step 12   # GPUs (nccl)
-    deepspeed --hostfile /job/hostfile -m ratchet.train.launch --config run.json --run-id RUN --step 12
+    deepspeed --num_gpus 8 --module ratchet.train.launch --config run.json --run-id RUN --step 12   # GPUs (nccl)
+    deepspeed --hostfile /job/hostfile --module ratchet.train.launch --config run.json --run-id RUN --step 12
     torchrun --nproc_per_node 2 -m ratchet.train.launch --config run.json --run-id RUN --step 12   # CPU (gloo)
     python -m ratchet.train.launch --config run.json --run-id RUN --step 12                         # one process
 
