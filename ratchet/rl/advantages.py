@@ -133,7 +133,7 @@ def reinforce_pp(rewards: Tensor, group_size: int, eps: float = 1e-6, baseline: 
         g = _centred(g)  # [B, G]
     flat = g.flatten()  # [B*G]
     std = flat.std() if flat.numel() > 1 else torch.zeros((), dtype=flat.dtype, device=flat.device)  # []
-    return (flat - flat.mean()) / (std + eps)  # [B*G]
+    return _centred(flat[None])[0] / (std + eps)  # [B*G] a batch whose rewards are all equal: exactly 0
 
 
 def turn_advantages(name: str, states: Tensor, group_size: int, answers: Tensor, branch: int = 1) -> Tensor:

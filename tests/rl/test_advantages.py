@@ -61,6 +61,13 @@ def test_a_tied_group_is_exactly_zero(name, value, dtype):
     assert adv[:8].abs().max().item() == 0.0 and adv[8:].abs().min().item() > 0.1
 
 
+@pytest.mark.parametrize("value", [0.9, 1 / 3, 0.3])
+def test_reinforce_pp_on_a_tied_batch_is_exactly_zero(value):
+    """Found by review: REINFORCE++ normalises over the batch with no tie guard, so a batch of equal
+    rewards (drop_zero_variance off) gave every sample -0.056 (eight 0.9s, float32), and it trained."""
+    assert compute_advantages("reinforce_pp", torch.full((16,), value), 8).abs().max().item() == 0.0
+
+
 def test_dr_grpo_by_hand():
     # r - group mean, no std: group 1 mean 0.5, group 2 mean 0.75
     close(dr_grpo(REWARDS, 4), [0.5, -0.5, -0.5, 0.5, 2.25, -0.75, -0.75, -0.75])
