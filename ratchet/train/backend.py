@@ -114,7 +114,9 @@ class Trainer(ABC):
         self.model, self.pad_id, self.cfg, self.rl, self.temperature = model, pad_id, cfg, rl, temperature
         self.ppo = rl.estimator == "gae"
         self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if rl.kl_coef > 0 else None
-        value_head = ValueHead(model.config.hidden_size) if self.ppo else None
+        # as wide as the last hidden state the head reads: the LM head's input (OPT-350m projects 1024 to 512)
+        width = getattr(model.get_output_embeddings(), "in_features", None) or model.config.hidden_size
+        value_head = ValueHead(width) if self.ppo else None
         if value_head is not None:
             value_head.to(next(model.parameters()).device)
         self.module = PolicyWithValue(model, value_head)

@@ -297,3 +297,20 @@ def test_approx_kl_measures_the_drift_after_a_minibatchs_first_pass():
     assert [round(p["approx_kl"], 12) for p in per_pass[::3]] == [0.0, 0.0]          # the first passes: pi is pi_old
     later = [p["approx_kl"] for i, p in enumerate(per_pass) if i % 3]
     assert min(later) > 0 and three["approx_kl"] == pytest.approx(sum(later) / 4)
+
+
+def test_ppo_on_a_model_whose_last_hidden_state_is_projected(tmp_path):
+    """Found by review: the value head was sized by config.hidden_size, but it reads the last hidden
+    state, which OPT returns after project_out (OPT-350m: 512 wide, hidden_size 1024): PPO failed in
+    train_epoch, after a wave had been sampled, with a shape error."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok = tiny.tokenizer()
+    save_policy(OPTForCausalLM(OPTConfig(
+        vocab_size=len(tok), hidden_size=32, word_embed_proj_dim=16, ffn_dim=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=64, do_layer_norm_before=False,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)), tok, tmp_path / "m")
+    model, tokenizer = load_policy(tmp_path / "m")
+    t = TorchTrainer(model, tokenizer.pad_token_id, TrainConfig(), RLConfig(estimator="gae"))
+    m = t.train_wave(t.assign_advantages(tiny.wave(model, seed=3, n_groups=2, group_size=4)))
+    assert m["optimizer_steps"] >= 1 and math.isfinite(m["value_loss"])
