@@ -1,6 +1,6 @@
 """The module a trainer optimises: the policy, and for PPO a value head on it.
 
-    module = PolicyWithValue(model, ValueHead(model.config.hidden_size) if ppo else None)
+    module = PolicyWithValue(model, ValueHead(width) if ppo else None)
     logits, values = module(ids, attn, with_values=True)       # [N, L, V], [N, L]
     logp, entropy = token_logprobs(model, ids, attn, with_entropy=True)
 """
