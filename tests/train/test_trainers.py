@@ -314,3 +314,16 @@ def test_ppo_on_a_model_whose_last_hidden_state_is_projected(tmp_path):
     t = TorchTrainer(model, tokenizer.pad_token_id, TrainConfig(), RLConfig(estimator="gae"))
     m = t.train_wave(t.assign_advantages(tiny.wave(model, seed=3, n_groups=2, group_size=4)))
     assert m["optimizer_steps"] >= 1 and math.isfinite(m["value_loss"])
+
+
+def test_deepspeed_stage_0_reports_the_gradient_norm():
+    """Found by review: at ZeRO stage 0 in fp32 DeepSpeed clips without recording the norm, and every
+    wave's grad_norm read NaN. It is the torch backend's, on the same wave."""
+    pytest.importorskip("deepspeed")
+    train = TrainConfig(minibatch_prompts=4, updates_per_batch=1, lr=1e-3)
+    wave = tiny.wave(tiny.model(), seed=5, n_groups=2, group_size=4)
+    norms = {}
+    for backend, cfg in (("torch", train), ("deepspeed", train.model_copy(update={"backend": "deepspeed", "zero_stage": 0}))):
+        t = _trainer(backend, tiny.model(), cfg, RLConfig())
+        norms[backend] = t.train_wave(t.assign_advantages([replace(s) for s in wave]))["grad_norm"]
+    assert math.isfinite(norms["deepspeed"]) and norms["deepspeed"] == pytest.approx(norms["torch"], rel=1e-5)
