@@ -142,6 +142,12 @@ class Trainer(ABC):
         micro-batches: n; a multi-process backend returns the most any of its processes has."""
         return n
 
+    def _across_ranks(self, tokens: int, answers: int, rows: int, max_len: int) -> tuple:
+        """A minibatch's loss denominators (action tokens, answers, rows; the longest answer) as this
+        process's loss divides by them: its own; a multi-process backend, whose step averages the
+        processes' gradients, returns the sums over processes divided by their number and the max."""
+        return tokens, answers, rows, max_len
+
     @abstractmethod
     def _optimizer_step(self, lr: float) -> float:
         """Clip, step at `lr`, zero the gradients; return the gradient norm before clipping."""
@@ -308,16 +314,15 @@ class Trainer(ABC):
 
     def _update(self, minibatch: list[TrainSample], old: dict[int, Tensor]):
         rl = self.rl
-        n_tokens = sum(s.action_tokens for s in minibatch)    # the model's own tokens (observations are not)
-        loss_agg = rl.loss_agg
-        if loss_agg == "answer_mean_token_mean":
-            answers = [answer_count(loss_mask_of(s)) for s in minibatch]
-            if all(n == 1 for n in answers):   # one answer per row: the same loss, by the same code (bit for bit)
-                loss_agg = "seq_mean_token_mean"
-        denom = (n_tokens if loss_agg == "token_mean"       # the whole minibatch's, skipped rows included
-                 else sum(answers) if loss_agg == "answer_mean_token_mean"
-                 else len(minibatch))
-        max_len = max(s.action_tokens for s in minibatch)
+        answers = [answer_count(loss_mask_of(s)) for s in minibatch] if rl.loss_agg == "answer_mean_token_mean" else []
+        # one answer per row: the same loss as seq_mean_token_mean, by the same code (bit for bit)
+        loss_agg = "seq_mean_token_mean" if answers and all(n == 1 for n in answers) else rl.loss_agg
+        # the whole minibatch's denominators, skipped rows included, and every rank's rows (`_across_ranks`)
+        n_tokens, n_answers, n_rows, max_len = self._across_ranks(
+            sum(s.action_tokens for s in minibatch), sum(answers), len(minibatch),   # the model's own tokens
+            max(s.action_tokens for s in minibatch))
+        denom = (n_tokens if rl.loss_agg == "token_mean" else n_answers if rl.loss_agg == "answer_mean_token_mean"
+                 else n_rows)
         shortest = min(minibatch, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
         # keep one row so the optimizer sees a (zero) gradient, exactly as without skipping
         live = [s for s in minibatch if not self._zero_grad_sample(s)] or [shortest]

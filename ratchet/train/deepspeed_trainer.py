@@ -118,6 +118,20 @@ class DeepSpeedTrainer(Trainer):
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return int(count)
 
+    def _across_ranks(self, tokens: int, answers: int, rows: int, max_len: int) -> tuple:
+        """DeepSpeed averages the ranks' gradients: a rank divides its loss by the minibatch's
+        denominators over every rank over the world size, so the average is the one-process loss of
+        the whole minibatch (each rank's own denominators weighed a token on a rank of short answers
+        more than one on a rank of long ones)."""
+        world = torch.distributed.get_world_size()
+        if world == 1:
+            return tokens, answers, rows, max_len
+        sums = torch.tensor([tokens, answers, rows], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(sums)
+        longest = torch.tensor([max_len], device=self.device)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        return (*(sums / world).tolist(), int(longest))
+
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -90,11 +90,11 @@ def _uneven_rank() -> None:
     from ratchet.train.deepspeed_trainer import DeepSpeedTrainer
 
     rank = int(os.environ["RANK"])
-    for stage in (2, 3):
+    for stage, agg in ((2, "answer_mean_token_mean"), (3, "answer_mean_token_mean"), (2, "token_mean")):
         t = DeepSpeedTrainer(tiny.model(), tiny.tokenizer().pad_token_id, _UNEVEN.model_copy(update={"zero_stage": stage}),
-                             RLConfig())
-        print(json.dumps({"rank": rank, "stage": stage, "grad_norm": t.train_wave(_uneven_wave(rank))["grad_norm"]}),
-              flush=True)
+                             RLConfig(loss_agg=agg))
+        print(json.dumps({"rank": rank, "stage": stage, "agg": agg,
+                          "grad_norm": t.train_wave(_uneven_wave(rank))["grad_norm"]}), flush=True)
     # as `ratchet.train.launch` ends: a rank that exits with the group up can abort in gloo's threads
     # ("terminate called without an active exception", SIGABRT) while the other is still in a collective
     torch.distributed.barrier()
@@ -126,9 +126,17 @@ def test_ranks_with_different_micro_batch_counts_take_the_same_step(tmp_path):
         t.train_wave(_uneven_wave(rank))
         grads.append(t.grads[0])
     want = float(((grads[0] + grads[1]) / 2).norm())
-    assert sorted((g["stage"], g["rank"]) for g in got) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert sorted((g["stage"], g["rank"]) for g in got if g["agg"] != "token_mean") == [(2, 0), (2, 1), (3, 0), (3, 1)]
     for g in got:
-        assert g["grad_norm"] == pytest.approx(want, rel=1e-5)
+        if g["agg"] != "token_mean":
+            assert g["grad_norm"] == pytest.approx(want, rel=1e-5)
+    # found by review: each rank divided its loss by its own tokens, so a token on rank 1 (3-token answers)
+    # weighed 1/12 and one on rank 0 (20-token answers) 1/80; the step is the one-process step of both groups
+    whole = GradCapture(tiny.model(), tiny.tokenizer().pad_token_id,
+                        _UNEVEN.model_copy(update={"minibatch_prompts": 2}), RLConfig(loss_agg="token_mean"))
+    whole.train_wave(_uneven_wave(0) + _uneven_wave(1))
+    [one_step] = whole.grads
+    assert [g["grad_norm"] for g in got if g["agg"] == "token_mean"] == pytest.approx([float(one_step.norm())] * 2, rel=1e-5)
 
 
 _KL_PPO = RLConfig(kl_coef=0.1, estimator="gae")
