@@ -170,7 +170,8 @@ class ServerWeights(Behaviour):
 
 def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
     """The behaviour engine `rollout` asks for, beside the session's in-process `engine` (a TorchEngine).
-    Nothing is published yet: the caller publishes the session's version."""
+    Nothing is published yet: the caller publishes the session's version. A server engine is sent each
+    prompt as the token ids `engine.encode_prompts` gives, the trainer's own (client.py, "Prompts")."""
     keep = rollout.max_staleness + 1 if rollout.mode == "async" else 1
     if rollout.engine == "torch":
         return TorchCopy(engine, keep) if rollout.mode == "async" else Shared(engine)
@@ -178,12 +179,14 @@ def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
     if rollout.engine == "http":
         from ratchet.rollout.client import HTTPEngine
 
-        return ServerWeights(HTTPEngine(rollout.engine_url), sync_dir, keep)
+        return ServerWeights(HTTPEngine(rollout.engine_url, encode=engine.encode_prompts), sync_dir, keep)
     from ratchet.rollout.vllm import VLLMEngine, vllm_engine
 
     if rollout.engine_url:
-        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync), sync_dir, keep)
-    start = lambda path: vllm_engine(rollout.vllm_python, path, rollout.vllm_args, rollout.vllm_sync, seed)  # noqa: E731
+        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync, encode=engine.encode_prompts),
+                             sync_dir, keep)
+    start = lambda path: vllm_engine(rollout.vllm_python, path, rollout.vllm_args, rollout.vllm_sync, seed,  # noqa: E731
+                                     encode=engine.encode_prompts)
     return ServerWeights(None, sync_dir, keep, start=start)
 
 

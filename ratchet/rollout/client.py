@@ -14,11 +14,16 @@ Against vLLM (not run here: no GPU): start it with `--logprobs-mode processed_lo
 log-probs are the raw logits' and not the behaviour policy's at temperature != 1. vLLM keeps
 the tokens after a stop string's end inside the last token out of `text`, while ratchet keeps
 them (its text is decode(ids)). vLLM has no /v1/load: its weight sync is the dev-mode
-weight-transfer API (NCCL/IPC); `VLLMEngine` (vllm.py) syncs by reloading from a directory instead. Prompts: ratchet
-prepends BOS itself (TorchEngine.encode_prompts); vLLM tokenises with the tokenizer's own
-special-token template, which for ratchet's embedded tokenizer adds no BOS, so the same text
-prompt is not the same ids there (send token-id prompts, or save the tokenizer with a BOS
-template, before comparing the two).
+weight-transfer API (NCCL/IPC); `VLLMEngine` (vllm.py) syncs by reloading from a directory instead.
+
+Prompts: given `encode` (a run's behaviour engine is given the trainer's own, the session engine's
+`encode_prompts`: BOS, and the chat template when the run uses one), each prompt is sent as the
+token ids the trainer will train on (`prompt` as a list of id lists, which vLLM and `ratchet serve`
+both take as they are), so the behaviour log-probs are conditioned on exactly the trainer's
+context; a server that answers with other `prompt_token_ids` fails the request (`PromptMismatch`).
+Without `encode` the text is sent and the server tokenises it its own way: `ratchet serve` as
+plain text with BOS, vLLM with its tokenizer's special-token template (for ratchet's embedded
+tokenizer: no BOS), neither through a chat template.
 
 Errors: a 4xx answer raises `EngineRequestError` (the request is wrong: not retried); a 5xx,
 a refused or dropped connection or a timeout raise `TransientError`/`OSError`
@@ -40,18 +45,26 @@ class EngineRequestError(ValueError):
     """The server refused the request (4xx): the same request would fail again."""
 
 
+class PromptMismatch(RuntimeError):
+    """The server sampled on other prompt token ids than it was sent: its samples are not conditioned on
+    what the trainer trains on. Not retried (the same server would do it again)."""
+
+
 class HTTPEngine:
     def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600.0,
-                 checkpoint_path: Callable[[int], str] | None = None, policy_version: int = 0):
+                 checkpoint_path: Callable[[int], str] | None = None, policy_version: int = 0,
+                 encode: Callable[[list[str]], list[list[int]]] | None = None):
         self.base_url = base_url.rstrip("/")
         self.model, self.timeout_s, self.checkpoint_path = model, timeout_s, checkpoint_path
         self.policy_version = policy_version
+        self.encode = encode    # prompts -> the token ids sampled on (the trainer's encode_prompts); None: send text
 
     def generate(self, prompts: list[str], n: int = 1, max_new_tokens: int = 48, temperature: float = 1.0,
                  greedy: bool = False, batch_size: int = 128, seed: int | None = None,
                  stop: Sequence[str] | None = None) -> list[Rollout]:
         """len(prompts) * n rollouts grouped by prompt, with ids and behaviour log-probs (engine.py)."""
-        body = {"prompt": list(prompts), "n": n, "max_tokens": max_new_tokens,
+        encoded = self.encode(list(prompts)) if self.encode is not None else None
+        body = {"prompt": encoded if encoded is not None else list(prompts), "n": n, "max_tokens": max_new_tokens,
                 "temperature": 0.0 if greedy else temperature, "logprobs": 0, "return_token_ids": True,
                 "include_stop_str_in_output": True, "batch_size": batch_size}
         if self.model is not None:
@@ -63,7 +76,7 @@ class HTTPEngine:
         choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
             raise TransientError(f"{self.base_url}: {len(choices)} choices for {len(prompts)} prompts x n={n}")
-        return [self._rollout(c, c["index"] // n) for c in choices]
+        return [self._rollout(c, c["index"] // n, encoded) for c in choices]
 
     def set_policy_version(self, version: int, path: str | None = None) -> None:
         """Ask the server to load the checkpoint of `version` (`path`, or checkpoint_path(version))."""
@@ -77,13 +90,22 @@ class HTTPEngine:
     def models(self) -> list[dict]:
         return self._request("GET", "/v1/models")["data"]
 
-    def _rollout(self, c: dict, prompt_index: int) -> Rollout:
+    def _rollout(self, c: dict, prompt_index: int, encoded: list[list[int]] | None) -> Rollout:
         ids, logprobs = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
         if ids is None or logprobs is None or len(ids) != len(logprobs):
             raise EngineRequestError(f"{self.base_url}: choice {c['index']} lacks token_ids or token_logprobs, or "
                                      f"their lengths differ: is this server OpenAI-only (no return_token_ids)?")
+        got = c.get("prompt_token_ids")
+        if encoded is not None and got is not None and list(got) != encoded[prompt_index]:
+            sent = encoded[prompt_index]
+            at = next((i for i, (a, b) in enumerate(zip(sent, got)) if a != b), min(len(sent), len(got)))
+            raise PromptMismatch(f"{self.base_url}: choice {c['index']} was sampled on other prompt tokens than the "
+                                 f"{len(sent)} sent for prompt {prompt_index} ({len(got)} tokens, first difference "
+                                 f"at token {at}: sent {sent[at:at + 5]}, got {list(got)[at:at + 5]}): its log-probs "
+                                 f"are not conditioned on what the trainer trains on")
         stop = c.get("stop_reason") if isinstance(c.get("stop_reason"), str) else None
-        return Rollout(prompt_index, c.get("prompt_token_ids") or [], ids, [float(x) for x in logprobs],
+        prompt_ids = encoded[prompt_index] if encoded is not None else list(got or [])
+        return Rollout(prompt_index, prompt_ids, ids, [float(x) for x in logprobs],
                        c["text"], c.get("finish_reason") == "stop", stop)
 
     def _post(self, path: str, body: dict) -> dict:

@@ -7,11 +7,14 @@
 Endpoints:
 - `GET /v1/models`: the served model (`id`, `root` = checkpoint directory, `max_model_len`, and
   ratchet's `policy_version`).
-- `POST /v1/completions`: OpenAI's legacy completions. `prompt` (a string or a list of strings),
-  `max_tokens` (default 16), `temperature` (0 = greedy; default 1), `n`, `seed`, `stop` (a string
-  or a list), `logprobs: 0` (the chosen tokens' log-probs in `choices[i].logprobs.token_logprobs`,
-  their text in `.tokens`; top alternatives, `logprobs > 0`, are not served). Choices are grouped
-  by prompt: choice `i*n + j` is sample j of prompt i. Extensions, named as vLLM names them:
+- `POST /v1/completions`: OpenAI's legacy completions. `prompt`: a string or a list of strings, each
+  encoded as plain text with BOS (no chat template: `ratchet.model.encode_prompts`), or, as vLLM takes
+  them, token ids (a list of ints, or a list of such lists) sampled on exactly as given: ratchet's
+  client sends the ids its trainer encodes (ratchet/rollout/client.py). `max_tokens` (default 16),
+  `temperature` (0 = greedy; default 1), `n`, `seed`, `stop` (a string or a list), `logprobs: 0`
+  (the chosen tokens' log-probs in `choices[i].logprobs.token_logprobs`, their text in `.tokens`;
+  top alternatives, `logprobs > 0`, are not served). Choices are grouped by prompt: choice
+  `i*n + j` is sample j of prompt i. Extensions, named as vLLM names them:
   `return_token_ids: true` adds `choices[i].token_ids` (every sampled token: the stop string's
   and EOS included) and `choices[i].prompt_token_ids`; `include_stop_str_in_output: true` makes
   `text` the decoding of exactly those ids (ratchet's token-accurate text; otherwise `text` is cut
@@ -34,7 +37,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -54,10 +57,15 @@ class BadRequest(Exception):
         self.message, self.param, self.status = message, param, status
 
 
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
 class CompletionRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = Field(None, description="Must name the served model when given.")
-    prompt: str | list[str] = Field(description="One prompt or a list (token-id prompts are not served).")
+    prompt: str | list[str] | TokenIds | list[TokenIds] = Field(
+        description="One prompt or a list: text (encoded here, without a chat template), or token ids (a list of "
+                    "ints, or a list of such lists) taken as they are.")
     max_tokens: int = Field(16, ge=1, le=65536)
     temperature: float = Field(1.0, ge=0, le=5.0, description="0 = greedy.")
     n: int = Field(1, ge=1, le=1024)
@@ -75,9 +83,11 @@ class CompletionRequest(BaseModel):
 
     @field_validator("prompt", "stop")
     @classmethod
-    def _unicode(cls, v: str | list[str] | None) -> str | list[str] | None:
+    def _unicode(cls, v):
         """JSON may escape a lone surrogate ("\\ud800"); no tokenizer encodes one, so it is the client's error (400)."""
         for i, s in enumerate([v] if isinstance(v, str) else v or []):
+            if not isinstance(s, str):          # token ids
+                continue
             try:
                 s.encode("utf-8")
             except UnicodeEncodeError as e:
@@ -165,23 +175,30 @@ def _complete(served: Served, req: CompletionRequest) -> dict:
     if req.logprobs:
         raise BadRequest("logprobs: top alternatives (logprobs > 0) are not served; pass 0 for the chosen "
                          "tokens' log-probs", "logprobs")
-    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    one = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))   # text, or token ids
+    prompts = [req.prompt] if one else req.prompt
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if not prompts:
         raise BadRequest("prompt: the list of prompts is empty", "prompt")
     if any(not s for s in stops):
         raise BadRequest("stop: every stop string must be non-empty", "stop")
     engine = served.engine
-    encoded = engine.encode_prompts(prompts)
+    given = not isinstance(prompts[0], str)      # token ids: sampled on as they are
+    encoded = [list(p) for p in prompts] if given else engine.encode_prompts(prompts)
     context = getattr(engine.model.config, "max_position_embeddings", None)
+    vocab = engine.model.config.vocab_size
     for i, ids in enumerate(encoded):
         if not ids:
-            raise BadRequest(f"prompt: prompt {i} is empty and the tokenizer has no BOS token", "prompt")
+            raise BadRequest(f"prompt: prompt {i} is empty" + ("" if given else " and the tokenizer has no BOS token"),
+                             "prompt")
+        if given and max(ids) >= vocab:
+            raise BadRequest(f"prompt: prompt {i} has token id {max(ids)}, outside the model's vocabulary of {vocab}",
+                             "prompt")
         if context and len(ids) + req.max_tokens > context:
             raise BadRequest(f"max_tokens: {req.max_tokens} after prompt {i}'s {len(ids)} tokens exceeds the "
                              f"model's context of {context}", "max_tokens")
     greedy = req.temperature == 0
-    rollouts = engine.generate(prompts, n=req.n, max_new_tokens=req.max_tokens,
+    rollouts = engine.generate(encoded if given else prompts, n=req.n, max_new_tokens=req.max_tokens,
                                temperature=1.0 if greedy else req.temperature, greedy=greedy,
                                batch_size=req.batch_size or served.batch_size, seed=req.seed, stop=stops)
     choices = [_choice(k, r, req, engine.tokenizer) for k, r in enumerate(rollouts)]

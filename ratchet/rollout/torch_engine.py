@@ -98,14 +98,16 @@ class TorchEngine:
         return encode_prompts(self.tokenizer, prompts, self.chat_template)
 
     @torch.inference_mode()   # no autograd bookkeeping per op (cheaper than no_grad); results leave as lists
-    def generate(self, prompts: list[str], n: int = 1, max_new_tokens: int = 48, temperature: float = 1.0,
-                 greedy: bool = False, batch_size: int = 128, seed: int | None = None,
+    def generate(self, prompts: list[str] | list[list[int]], n: int = 1, max_new_tokens: int = 48,
+                 temperature: float = 1.0, greedy: bool = False, batch_size: int = 128, seed: int | None = None,
                  stop: Sequence[str] | None = None) -> list[Rollout]:
-        """len(prompts) * n rollouts grouped by prompt; greedy and stop as in ratchet/rollout/engine.py."""
+        """len(prompts) * n rollouts grouped by prompt; greedy and stop as in ratchet/rollout/engine.py.
+        Prompts given as token ids (`ratchet serve`'s, encoded by its client) are sampled on as they are."""
         if stop is not None and any(not s for s in stop):
             raise ValueError("stop: every stop string must be non-empty")
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        encoded = self.encode_prompts(prompts)
+        given = bool(prompts) and not isinstance(prompts[0], str)
+        encoded = [list(p) for p in prompts] if given else self.encode_prompts(prompts)
         check_room(encoded, max_new_tokens, self.context)   # PromptTooLong (a ValueError) naming the prompt
         jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(n)]
         out: list[Rollout] = []

@@ -269,7 +269,10 @@ def test_completions_speak_openai(server, reference):
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 4}, "prompt"),
     ({"prompt": [], "max_tokens": 4}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),                             # token ids: an empty prompt
+    ({"prompt": [[1, -2]]}, "prompt"),
+    ({"prompt": [[1, 300]]}, "prompt"),                                 # outside the 300-token vocabulary
+    ({"prompt": ["a", [1, 2]]}, "prompt"),                              # text and ids mixed
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "max_tokens": 63}, "max_tokens"),                # with BOS and "a": beyond the 64-token context
     ({"prompt": "a", "temperature": -1}, "temperature"),
@@ -292,6 +295,65 @@ def test_bad_requests_get_400_with_a_message(server, body, param):
     assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
     if param is not None:
         assert err["error"]["param"] == param and err["error"]["message"].startswith(param)
+
+
+def test_token_id_prompts_are_sampled_on_as_given(server, reference):
+    """`prompt` as token ids (one list, or a list of lists, as vLLM takes them): no BOS added, no
+    re-encoding; `prompt_token_ids` are those ids and the samples those of the engine on them."""
+    ids = [reference.encode_prompts(PROMPTS[1:2])[0][1:], reference.encode_prompts(PROMPTS[:1])[0]]   # 1st: no BOS
+    assert ids[0][0] != reference.tokenizer.bos_token_id
+    status, body = _call(server, "/v1/completions", {"prompt": ids, "n": 2, "max_tokens": 6, "seed": 4, "logprobs": 0,
+                                                      "return_token_ids": True})
+    assert status == 200, body
+    ref = reference.generate(ids, n=2, max_new_tokens=6, seed=4)
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [ids[0], ids[0], ids[1], ids[1]]
+    assert [c["token_ids"] for c in body["choices"]] == [r.completion_ids for r in ref]
+    assert body["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    status, one = _call(server, "/v1/completions", {"prompt": ids[0], "max_tokens": 3, "return_token_ids": True})
+    assert status == 200 and [c["prompt_token_ids"] for c in one["choices"]] == [ids[0]]
+
+
+CHAT = ("{% for m in messages %}U:{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}A:{% endif %}")
+
+
+def test_a_client_given_the_trainers_encoder_samples_on_its_token_ids(server, reference):
+    """Found by review: the server encoded the raw text (no chat template) while the trainer trains on the
+    chat-templated ids, so behaviour log-probs were conditioned on another context than pi_old's. Given
+    `encode` (the trainer's encode_prompts), HTTPEngine sends those ids: the served samples, ids and
+    log-probs are the in-process engine's on the trainer's own encoding."""
+    import copy
+
+    tok = copy.deepcopy(reference.tokenizer)
+    tok.chat_template = CHAT
+    trainer = TorchEngine(reference.model, tok, chat_template=True)        # what session.engine encodes with
+    encoded = trainer.encode_prompts(PROMPTS)
+    assert encoded != reference.encode_prompts(PROMPTS)                    # the template changes the ids
+    engine = HTTPEngine(server, encode=trainer.encode_prompts)
+    out = engine.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.8, seed=3)
+    ref = trainer.generate(PROMPTS, n=2, max_new_tokens=8, temperature=0.8, seed=3)
+    assert _fields(out) == _fields(ref)
+    assert [r.prompt_ids for r in out] == [encoded[r.prompt_index] for r in out]
+    for r, q in zip(out, ref):
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_a_server_that_samples_on_other_prompt_tokens_fails_the_request(reference):
+    """A server that answers with other prompt_token_ids than it was sent (it re-encoded them, added a
+    BOS): PromptMismatch, not retried, naming where the ids differ."""
+    from ratchet.errors import is_transient
+    from ratchet.rollout.client import PromptMismatch
+
+    engine = HTTPEngine("http://127.0.0.1:9", encode=reference.encode_prompts)
+    sent = reference.encode_prompts(PROMPTS[:1])[0]
+    choice = {"index": 0, "text": "x", "token_ids": [7], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "length"}
+    engine._post = lambda path, body: {"choices": [{**choice, "prompt_token_ids": body["prompt"][0]}]}
+    assert engine.generate(PROMPTS[:1], max_new_tokens=1)[0].prompt_ids == sent
+    engine._post = lambda path, body: {"choices": [{**choice, "prompt_token_ids": [sent[0], *body["prompt"][0]]}]}
+    with pytest.raises(PromptMismatch, match=r"other prompt tokens than the \d+ sent for prompt 0.*first difference "
+                                             r"at token 1") as e:
+        engine.generate(PROMPTS[:1], max_new_tokens=1)
+    assert not is_transient(e.value)
 
 
 def test_an_unknown_model_is_404_and_the_client_raises(server):
