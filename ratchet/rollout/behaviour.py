@@ -131,41 +131,63 @@ class TorchCopy(Behaviour):
 
 class ServerWeights(Behaviour):
     """A server engine (HTTPEngine to `ratchet serve`, or vLLM): each version's weights saved under
-    `sync_dir/v<version>` and loaded by the server from there (`engine.set_policy_version(v, path)`).
-    With `start` instead of an engine, the server is started on the first version's directory."""
+    `<this behaviour's own directory>/v<version>` and loaded by the server from there
+    (`engine.set_policy_version(v, path)`). With `start` instead of an engine, the server is started on
+    the first version's directory.
+
+    The own directory is a fresh subdirectory of `sync_dir` (`self.sync_dir`), so runs that share
+    sync_dir (one shared volume for every run of a deployment) never overwrite or delete each other's
+    versions; it writes each version under a unique temporary name and renames it whole. Only versions
+    this behaviour published and then dropped are deleted, never by listing the directory: a dropped
+    version the server may still be reading (the one it loads or serves) is deleted once it has moved
+    to another."""
 
     def __init__(self, engine, sync_dir: str | Path, keep: int, start: Callable[[str], object] | None = None):
         if engine is None and start is None:
             raise ValueError("ServerWeights: give an engine, or how to start one")
         super().__init__(engine, keep)
         self.start = start
-        self.sync_dir = Path(sync_dir)
-        self.sync_dir.mkdir(parents=True, exist_ok=True)
+        Path(sync_dir).mkdir(parents=True, exist_ok=True)
+        self.sync_dir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=sync_dir))   # this run's own
+        self._serving: int | None = None               # the version the server was last told to load
+        self._retired: dict[int, Path] = {}            # dropped while _serving, deleted once it moves on
 
     def _snapshot(self, version, model, tokenizer):
         from ratchet.model import save_policy
 
         path = self.sync_dir / f"v{version:06d}"
-        tmp = self.sync_dir / f".v{version:06d}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(model, tokenizer, tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)                     # complete or absent: a server never reads a half-written version
+        tmp = Path(tempfile.mkdtemp(prefix=f".v{version:06d}.", suffix=".tmp", dir=self.sync_dir))
+        try:
+            save_policy(model, tokenizer, tmp)
+            with self._lock:                   # published again after a drop: that path is the new one's
+                self._retired.pop(version, None)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)                   # complete or absent: a server never reads a half-written version
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return path
 
     def _load(self, version, snapshot):
+        with self._lock:                       # claimed under the table's lock: a drop now keeps its files
+            if version not in self._versions:
+                raise LookupError(f"behaviour policy: version {version} was dropped while being loaded "
+                                  f"(published: {sorted(self._versions)}; keep={self.keep})")
+            self._serving = version
+            gone = [self._retired.pop(v) for v in list(self._retired) if v != version]
+        for path in gone:                      # the server is done with them: it loads `version` now
+            shutil.rmtree(path, ignore_errors=True)
         if self.engine is None:
             self.engine = self.start(str(snapshot))     # started on this version: nothing to sync
         else:
             self.engine.set_policy_version(version, path=str(snapshot))
-        keep = {snapshot} | {self.sync_dir / f"v{v:06d}" for v in self.published()}
-        for old in self.sync_dir.glob("v*"):   # versions dropped while the server still served them
-            if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
 
     def _drop(self, version, snapshot):
-        if self.loaded != version:           # the server may still read the files of the version it serves
-            shutil.rmtree(snapshot, ignore_errors=True)
+        with self._lock:
+            if version == self._serving:       # the server may still read the files of the version it serves
+                self._retired[version] = snapshot
+                return
+        shutil.rmtree(snapshot, ignore_errors=True)
 
 
 def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:

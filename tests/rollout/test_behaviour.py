@@ -8,14 +8,15 @@ weight-sync bookkeeping is checked against a stand-in server that records what i
 
 from __future__ import annotations
 
-import copy
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ratchet.config import RolloutConfig
 from ratchet.model import load_policy
-from ratchet.rollout.behaviour import open_behaviour
+from ratchet.rollout.behaviour import ServerWeights, open_behaviour
 from ratchet.rollout.torch_engine import TorchEngine
 from tests.rollout.test_engine_contract import CHAT, PROMPTS, _LoopbackServer, _save
 
@@ -24,6 +25,28 @@ from tests.rollout.test_engine_contract import CHAT, PROMPTS, _LoopbackServer, _
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     return _save(root / "a", 0), _save(root / "b", 1)
+
+
+@pytest.fixture(scope="module")
+def policies(checkpoints):
+    return [load_policy(p) for p in checkpoints]
+
+
+class Recorder:
+    """A server stand-in: each load it is told of, as (version, the weights it found there or None)."""
+
+    policy_version = 0
+
+    def __init__(self):
+        self.loads: list[tuple[int, dict | None]] = []
+
+    def set_policy_version(self, version: int, path: str | None = None) -> None:
+        f = Path(path) / "model.safetensors"
+        self.loads.append((version, load_file(f) if f.exists() else None))
+
+
+def same_weights(found: dict | None, model) -> bool:
+    return found is not None and all(torch.equal(found[k], v) for k, v in model.state_dict().items() if k in found)
 
 
 @pytest.fixture
@@ -53,3 +76,72 @@ def test_the_http_engine_samples_on_the_prompt_ids_the_trainer_trains_on(checkpo
     assert [r.completion_ids for r in out] == [r.completion_ids for r in ref]
     for r, q in zip(out, ref):
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=1e-5)
+
+
+def test_runs_sharing_a_sync_dir_keep_their_own_versions(policies, tmp_path):
+    """Found by review: versions were named v<version> in sync_dir itself, so run B's v0 replaced run A's
+    (A's server loaded B's weights as A's v0), and B's first sync deleted every v* it had not published,
+    A's v5 included. Each behaviour now writes in a subdirectory of its own and deletes only what it dropped."""
+    (ma, ta), (mb, tb) = policies
+    sync = tmp_path / "sync"
+    a, b = ServerWeights(Recorder(), sync, keep=2), ServerWeights(Recorder(), sync, keep=2)
+    a.publish(0, ma, ta)
+    b.publish(0, mb, tb)                       # run B, the same sync_dir
+    with a.at(0):
+        pass
+    a.publish(5, ma, ta)                       # A's next version, not loaded yet
+    with b.at(0):                              # B's sync
+        pass
+    with a.at(5):
+        pass
+    assert [v for v, _ in a.engine.loads] == [0, 5] and all(same_weights(w, ma) for _, w in a.engine.loads)
+    assert [v for v, _ in b.engine.loads] == [0] and same_weights(b.engine.loads[0][1], mb)
+    assert sorted(p.name for p in a.sync_dir.iterdir()) == ["v000000", "v000005"]
+    assert a.sync_dir.parent == b.sync_dir.parent == sync and a.sync_dir != b.sync_dir
+
+
+def test_only_versions_it_dropped_are_deleted_once_the_server_moved_on(policies, tmp_path):
+    """keep=1: the version the server serves is kept when a newer one drops it (the server may still read
+    it), and deleted at the next load; a directory it did not publish is never touched."""
+    model, tok = policies[0]
+    behaviour = ServerWeights(Recorder(), tmp_path / "sync", keep=1)
+    (behaviour.sync_dir / "v000007").mkdir()   # not this behaviour's version: a listing would have taken it
+    behaviour.publish(0, model, tok)
+    with behaviour.at(0):
+        pass
+    behaviour.publish(1, model, tok)           # drops v0, which the server serves
+    assert sorted(p.name for p in behaviour.sync_dir.iterdir()) == ["v000000", "v000001", "v000007"]
+    with behaviour.at(1):
+        pass
+    assert sorted(p.name for p in behaviour.sync_dir.iterdir()) == ["v000001", "v000007"]
+    behaviour.publish(2, model, tok)
+    behaviour.publish(3, model, tok)           # v2 never loaded: deleted when dropped
+    assert sorted(p.name for p in behaviour.sync_dir.iterdir()) == ["v000001", "v000003", "v000007"]
+
+
+def test_a_version_published_while_another_loads_is_not_deleted(policies, tmp_path, monkeypatch):
+    """Found by review: publish renamed .v(k+1).tmp to v(k+1) before recording k+1 as published, and a
+    sync to version k in between (the rollout thread) deleted every v* not recorded: the new version was
+    gone when its wave asked for it. The sync runs here exactly in that window, from the rename itself."""
+    model, tok = policies[0]
+    behaviour = ServerWeights(Recorder(), tmp_path / "sync", keep=2)
+    behaviour.publish(0, model, tok)
+    with behaviour.at(0):
+        pass
+    behaviour.publish(1, model, tok)
+    rename, synced = Path.rename, []
+
+    def rename_then_sync(self, target):
+        out = rename(self, target)
+        if Path(target).name == "v000002" and not synced:
+            with behaviour.at(1):              # between the rename and publish recording v2
+                synced.append(1)
+        return out
+
+    monkeypatch.setattr(Path, "rename", rename_then_sync)
+    behaviour.publish(2, model, tok)
+    assert synced and behaviour.published() == [1, 2]
+    with behaviour.at(2):
+        pass
+    assert [v for v, _ in behaviour.engine.loads] == [0, 1, 2]
+    assert all(same_weights(w, model) for _, w in behaviour.engine.loads)

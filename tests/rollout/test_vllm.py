@@ -128,10 +128,11 @@ def test_server_lifecycle_and_weight_sync_through_a_directory(checkpoints, tmp_p
             with behaviour.at(version) as engine:
                 got = greedy_logprobs(engine)
             assert engine.models()[0]["policy_version"] == version
-            assert engine.models()[0]["root"] == str(tmp_path / "sync" / f"v{version:06d}")
+            assert engine.models()[0]["root"] == str(behaviour.sync_dir / f"v{version:06d}")
             for g, want in zip(got, greedy_logprobs(local[version])):
                 assert torch.allclose(torch.tensor(g), torch.tensor(want), atol=1e-4)
-        assert sorted(p.name for p in (tmp_path / "sync").iterdir()) == ["v000001"]   # keep=1: v0 removed
+        assert behaviour.sync_dir.parent == tmp_path / "sync"                       # this run's own directory
+        assert sorted(p.name for p in behaviour.sync_dir.iterdir()) == ["v000001"]   # keep=1: v0 removed
         assert behaviour.last_sync_s > 0
 
         restart = VLLMEngine(url, sync="restart", server=server, restart_command=lambda p: ratchet_serve(p, port))
