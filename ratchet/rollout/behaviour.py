@@ -67,7 +67,9 @@ class Behaviour(ABC):
 
     @contextlib.contextmanager
     def at(self, version: int) -> Iterator:
-        """The engine with the weights of `version`, held for the caller's exclusive use."""
+        """The engine with the weights of `version`, held for the caller's exclusive use. When the caller
+        fails (or the load does), the engine's weights are taken as unknown and the next call syncs again:
+        a server may have been restarted on other weights meanwhile (a retried wave then re-syncs it)."""
         with self._use:
             if self.loaded != version:
                 with self._lock:
@@ -75,12 +77,17 @@ class Behaviour(ABC):
                 if snapshot is None:
                     raise LookupError(f"behaviour policy: version {version} was never published or was dropped "
                                       f"(published: {self.published()}; keep={self.keep})")
+                self.loaded = None               # until the load completes: a failed one may leave it half-moved
                 t0 = time.perf_counter()
                 self._load(version, snapshot)
                 self.syncs, self.last_sync_s = self.syncs + 1, time.perf_counter() - t0
                 self.loaded = version
                 self.engine.policy_version = version
-            yield self.engine
+            try:
+                yield self.engine
+            except BaseException:
+                self.loaded = None
+                raise
 
     def close(self) -> None:
         with self._lock:

@@ -27,7 +27,9 @@ tokenizer: no BOS), neither through a chat template.
 
 Errors: a 4xx answer raises `EngineRequestError` (the request is wrong: not retried); a 5xx,
 a refused or dropped connection or a timeout raise `TransientError`/`OSError`
-(ratchet.errors.is_transient: retried by the tasks).
+(ratchet.errors.is_transient: retried by the tasks). So does an answer sampled with another
+`policy_version` than the engine's (`ratchet serve` restarted on its original checkpoint): the
+behaviour engine then syncs the server again before the retry samples (behaviour.py `at`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class PromptMismatch(RuntimeError):
 
 
 class HTTPEngine:
+    tracks_version = True    # the server is told each version (/v1/load) and answers the one it sampled with
+
     def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 600.0,
                  checkpoint_path: Callable[[int], str] | None = None, policy_version: int = 0,
                  encode: Callable[[list[str]], list[list[int]]] | None = None):
@@ -73,7 +77,13 @@ class HTTPEngine:
             body["seed"] = seed
         if stop:
             body["stop"] = list(stop)
-        choices = sorted(self._post("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        resp = self._post("/v1/completions", body)
+        served = resp.get("policy_version")      # ratchet serve's; vLLM names none
+        if self.tracks_version and served is not None and served != self.policy_version:
+            raise TransientError(f"{self.base_url}: the server sampled with policy version {served}, not "
+                                 f"{self.policy_version} as this engine was synced to (was it restarted on "
+                                 f"another checkpoint?): a retry syncs it again")
+        choices = sorted(resp["choices"], key=lambda c: c["index"])
         if len(choices) != len(prompts) * n:
             raise TransientError(f"{self.base_url}: {len(choices)} choices for {len(prompts)} prompts x n={n}")
         return [self._rollout(c, c["index"] // n, encoded) for c in choices]

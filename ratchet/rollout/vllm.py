@@ -226,6 +226,8 @@ def _listens(pgid: int, port: int) -> bool | None:
 class VLLMEngine(HTTPEngine):
     """HTTPEngine for a vLLM server, whose weight sync is vLLM's (module docstring), not /v1/load."""
 
+    tracks_version = False   # vLLM's sync tells the server no version number (and vLLM answers none)
+
     def __init__(self, base_url: str, model: str = "policy", sync: str = "reload",
                  server: ServerProcess | None = None, restart_command=None, **kw):
         if sync not in ("reload", "restart"):

@@ -16,9 +16,11 @@ from safetensors.torch import load_file
 
 from ratchet.config import RolloutConfig
 from ratchet.model import load_policy
+from ratchet.errors import is_transient
 from ratchet.rollout.behaviour import ServerWeights, open_behaviour
+from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
-from tests.rollout.test_engine_contract import CHAT, PROMPTS, _LoopbackServer, _save
+from tests.rollout.test_engine_contract import CHAT, PROMPTS, _call, _LoopbackServer, _save
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,10 @@ class Recorder:
     def set_policy_version(self, version: int, path: str | None = None) -> None:
         f = Path(path) / "model.safetensors"
         self.loads.append((version, load_file(f) if f.exists() else None))
+
+
+def logprobs(rollouts) -> list[float]:
+    return [x for r in rollouts for x in r.logprobs]
 
 
 def same_weights(found: dict | None, model) -> bool:
@@ -145,3 +151,30 @@ def test_a_version_published_while_another_loads_is_not_deleted(policies, tmp_pa
         pass
     assert [v for v, _ in behaviour.engine.loads] == [0, 1, 2]
     assert all(same_weights(w, model) for _, w in behaviour.engine.loads)
+
+
+def test_a_server_restarted_on_other_weights_is_synced_again_before_the_retry(checkpoints, policies, served, tmp_path):
+    """Found by review: a `ratchet serve` restarted between two waves of one version (on its --model,
+    version 0) served them with its original weights, recorded as version 1: the behaviour engine
+    believed version 1 loaded and the client dropped the policy_version the server answered. Now the
+    answer's version is checked (a TransientError: the task retries) and a failed wave leaves the
+    weights unknown, so the retry syncs the server again."""
+    (ma, ta), (mb, tb) = policies
+    local_b = TorchEngine(mb.eval(), tb)
+    behaviour = ServerWeights(HTTPEngine(served.url), tmp_path / "sync", keep=2)
+    behaviour.publish(0, ma, ta)
+    behaviour.publish(1, mb, tb)
+    sample = dict(n=1, max_new_tokens=6, seed=0)
+    with behaviour.at(1) as engine:
+        first = engine.generate(PROMPTS, **sample)
+    assert logprobs(first) == pytest.approx(logprobs(local_b.generate(PROMPTS, **sample)), abs=1e-5)
+    status, _ = _call(served.url, "/v1/load", {"path": str(checkpoints[0]), "version": 0})   # the restart
+    assert status == 200
+    with pytest.raises(Exception, match="sampled with policy version 0, not 1") as e:
+        with behaviour.at(1) as engine:                                  # the next wave of version 1
+            engine.generate(PROMPTS, **sample)
+    assert is_transient(e.value) and behaviour.syncs == 1
+    with behaviour.at(1) as engine:                                      # its retry
+        again = engine.generate(PROMPTS, **sample)
+    assert behaviour.syncs == 2 and engine.models()[0]["policy_version"] == 1
+    assert logprobs(again) == pytest.approx(logprobs(first), abs=1e-6)
