@@ -27,7 +27,8 @@ Endpoints:
   current version + 1) from the next request on. A bad path answers 400 and the old weights stay.
 - `GET /health`: 200 once serving.
 
-Bad input answers 400 with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`.
+Bad input answers 400 with OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`;
+a failure of the server itself answers 500 in the same shape, the exception's type and text its message.
 Requests are served one at a time (a lock): the engine batches within a request.
 """
 
@@ -139,6 +140,11 @@ def create_app(model: str, name: str | None = None, batch_size: int = 128) -> Fa
     @app.exception_handler(BadRequest)
     def bad_request(_req: Request, e: BadRequest):
         return _error(e.status, e.message, e.param)
+
+    @app.exception_handler(Exception)
+    def server_error(_req: Request, e: Exception):
+        """Anything else (out of memory, a bug): 500 with its cause, which the client's error shows."""
+        return _error(500, f"{type(e).__name__}: {e}"[:2000], None)
 
     @app.exception_handler(RequestValidationError)
     def invalid(_req: Request, e: RequestValidationError):

@@ -365,6 +365,23 @@ def test_an_unknown_model_is_404_and_the_client_raises(server):
         HTTPEngine(server).generate(["a"], seed=2**70)
 
 
+def test_a_server_failure_is_a_500_that_names_its_cause(server, monkeypatch):
+    """Found by review: a failure inside `ratchet serve` answered a bare "Internal Server Error", and
+    the client's TransientError said no more. Now the 500 carries the exception, and the client's error too."""
+    import ratchet.rollout.server as served
+    from ratchet.errors import TransientError
+
+    def fail(*_args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(served, "_complete", fail)
+    status, err = _call(server, "/v1/completions", {"prompt": "a"})
+    assert status == 500 and err["error"]["type"] == "server_error"
+    assert err["error"]["message"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    with pytest.raises(TransientError, match="500 RuntimeError: CUDA out of memory"):
+        HTTPEngine(server).generate(["a"], max_new_tokens=2)
+
+
 def test_load_swaps_the_checkpoint_and_the_version(checkpoints):
     """/v1/load (set_policy_version) serves another checkpoint from the next request on; a bad
     path is refused and the old weights stay."""
