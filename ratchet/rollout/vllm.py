@@ -31,6 +31,8 @@ Weight sync after each policy update (`rollout.vllm_sync`), from a directory the
 vLLM's NCCL/IPC weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`) would skip the
 disk, but needs vLLM's own client code in the trainer process, which cannot import vLLM.
 Each sync is timed by the caller (Behaviour.last_sync_s, logged by the rollout task).
+A server ratchet started that has died fails the request with its exit code and the tail of its log,
+not a bare "Connection refused"; transient with `restart` sync only (the retry's sync starts it again).
 
 Not run here (no GPU in CI): `bench/gpu_check.py` checks start + generate + weight sync on a GPU
 machine; tests/rollout/test_vllm.py holds the CPU-testable parts (the command line, the process
@@ -50,6 +52,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ratchet.errors import TransientError
 from ratchet.net import free_port
 from ratchet.rollout.client import HTTPEngine
 
@@ -171,6 +174,11 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def why_down(self) -> str:
+        """Why a server that is not alive() is down: its exit code and the tail of its log."""
+        how = f"exited with code {self.proc.returncode}" if self.proc is not None else "was stopped"
+        return f"the engine server ratchet started {how} (log {self.log_path}: {self.log_tail()})"
+
     def log_tail(self, n: int = 1500) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-n:].strip().replace("\n", " | ")
@@ -237,6 +245,16 @@ class VLLMEngine(HTTPEngine):
                              "not one reached at rollout.engine_url")
         super().__init__(base_url, model=model, **kw)
         self.sync, self.server, self.restart_command = sync, server, restart_command
+
+    def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        try:
+            return super()._request(method, path, body)
+        except OSError as e:   # refused, reset, timed out: a server ratchet started may have died
+            if self.server is None or self.server.alive():
+                raise
+            # restart sync: the retry's re-sync starts it again; reload: it would fail the same way
+            down = TransientError if self.sync == "restart" else RuntimeError
+            raise down(f"{method} {self.base_url}{path}: {e}; {self.server.why_down()}") from e
 
     def set_policy_version(self, version: int, path: str | None = None) -> None:
         if path is None:

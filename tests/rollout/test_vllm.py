@@ -65,6 +65,38 @@ def test_a_server_that_dies_at_start_is_reported_with_its_log(tmp_path):
     assert not server.alive()
 
 
+DIES_AFTER_ONE_REQUEST = """
+import http.server, sys
+class Ok(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ok).handle_request()   # the health check
+print("RuntimeError: CUDA error: an illegal memory access was encountered", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_server_that_died_is_reported_with_its_exit_code_and_log(tmp_path):
+    """Found by review: a vLLM server ratchet started that died surfaced as "Connection refused" (after
+    the task's retries), its log never read. The engine's error now says it exited, with the log's tail;
+    not transient with reload sync (nothing would start it again), transient with restart sync (the
+    retry's re-sync starts it)."""
+    from ratchet.errors import is_transient
+
+    server = ServerProcess(lambda port: [sys.executable, "-c", DIES_AFTER_ONE_REQUEST, str(port)], health_path="/",
+                           startup_timeout_s=60, log_path=str(tmp_path / "engine.log"))
+    server.start()
+    server.proc.wait(timeout=60)
+    for sync, transient in (("reload", False), ("restart", True)):
+        engine = VLLMEngine(server.url, sync=sync, server=server, restart_command=lambda p: ["true"])
+        with pytest.raises(Exception, match=r"Connection refused.*engine server ratchet started exited with code 1 "
+                                            r"\(log .*engine.log: .*an illegal memory access was encountered") as e:
+            engine.generate(PROMPTS, max_new_tokens=2)
+        assert is_transient(e.value) is transient
+    with pytest.raises(OSError, match="Connection refused"):       # not one ratchet started: as it was
+        VLLMEngine(server.url).generate(PROMPTS, max_new_tokens=2)
+
+
 def test_a_server_whose_port_was_taken_first_starts_again_on_another(tmp_path):
     """free_port's window: another process binds the port before the server does. Given its command as
     a function of the port, ServerProcess starts it again on a free one; given a fixed command line,
