@@ -222,6 +222,10 @@ class RolloutConfig(Frozen):
     vllm_sync: Literal["reload", "restart"] = Field(
         "reload", description="How the vLLM server gets each new policy version: reload = in place from the version's "
         "directory (dev-mode /collective_rpc reload_weights, then /reset_prefix_cache); restart = a new server on it.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="Server engines (http, vllm): how long one wave's request may take before "
+        "it fails (retried as transient); a wave's whole generation is one request, so a large wave on a slow "
+        "server needs more.")
     sync_dir: str | None = Field(
         None, description="Directory where each policy version's weights are written for a server engine to load "
         "(shared with the server's machine). Empty: a local scratch directory.")

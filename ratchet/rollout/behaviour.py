@@ -208,14 +208,16 @@ def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
     if rollout.engine == "http":
         from ratchet.rollout.client import HTTPEngine
 
-        return ServerWeights(HTTPEngine(rollout.engine_url, encode=engine.encode_prompts), sync_dir, keep)
+        return ServerWeights(HTTPEngine(rollout.engine_url, encode=engine.encode_prompts,
+                                                timeout_s=rollout.request_timeout_s), sync_dir, keep)
     from ratchet.rollout.vllm import VLLMEngine, vllm_engine
 
     if rollout.engine_url:
-        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync, encode=engine.encode_prompts),
+        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync, encode=engine.encode_prompts,
+                                        timeout_s=rollout.request_timeout_s),
                              sync_dir, keep)
     start = lambda path: vllm_engine(rollout.vllm_python, path, rollout.vllm_args, rollout.vllm_sync, seed,  # noqa: E731
-                                     encode=engine.encode_prompts)
+                                     encode=engine.encode_prompts, timeout_s=rollout.request_timeout_s)
     return ServerWeights(None, sync_dir, keep, start=start)
 
 

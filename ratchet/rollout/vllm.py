@@ -272,15 +272,16 @@ _RUNNING: dict[tuple, VLLMEngine] = {}   # one server per settings per process, 
 
 def vllm_engine(python: str, model: str, extra_args: Sequence[str] = (), sync: str = "reload", seed: int = 0,
                 dtype: str = "auto", startup_timeout_s: float = 900.0,
-                encode: Callable[[list[str]], list[list[int]]] | None = None) -> VLLMEngine:
+                encode: Callable[[list[str]], list[list[int]]] | None = None, timeout_s: float = 600.0) -> VLLMEngine:
     """vLLM from `python`'s environment serving `model` (a checkpoint directory): started here (stopped
     at exit), or the one this process already started with these settings, moved to `model`'s weights.
-    `encode`: how prompts become the token ids sent (HTTPEngine; the caller's, also on a running one)."""
+    `encode`: how prompts become the token ids sent (HTTPEngine; the caller's, also on a running one);
+    `timeout_s`: how long one request may take (the same)."""
     key = (str(python), tuple(extra_args), sync, seed, dtype)
     running = _RUNNING.get(key)
     if running is not None and running.server.alive():
         running.set_policy_version(running.policy_version, path=model)
-        running.encode = encode
+        running.encode, running.timeout_s = encode, timeout_s
         return running
     if not Path(python).exists():
         raise FileNotFoundError(f"rollout.vllm_python: {python} does not exist (the python of vLLM's own venv)")
@@ -289,5 +290,6 @@ def vllm_engine(python: str, model: str, extra_args: Sequence[str] = (), sync: s
 
     server = ServerProcess(command(model), env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout_s=startup_timeout_s)
     server.start()
-    _RUNNING[key] = engine = VLLMEngine(server.url, sync=sync, server=server, restart_command=command, encode=encode)
+    _RUNNING[key] = engine = VLLMEngine(server.url, sync=sync, server=server, restart_command=command, encode=encode,
+                                             timeout_s=timeout_s)
     return engine

@@ -84,6 +84,17 @@ def test_the_http_engine_samples_on_the_prompt_ids_the_trainer_trains_on(checkpo
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=1e-5)
 
 
+def test_a_server_engines_request_timeout_is_the_runs_setting(checkpoints, tmp_path):
+    """Found by review: the client's 600 s timeout was fixed, and a wave is one request: a wave whose
+    generation took longer failed every attempt, whatever the run needed."""
+    model, tok = load_policy(checkpoints[0])
+    trainer = TorchEngine(model.eval(), tok)
+    for cfg in ({"engine": "http"}, {"engine": "vllm"}):
+        behaviour = open_behaviour(trainer, RolloutConfig(**cfg, engine_url="http://127.0.0.1:9", request_timeout_s=1800,
+                                                          sync_dir=str(tmp_path / "sync")))
+        assert behaviour.engine.timeout_s == 1800
+
+
 def test_runs_sharing_a_sync_dir_keep_their_own_versions(policies, tmp_path):
     """Found by review: versions were named v<version> in sync_dir itself, so run B's v0 replaced run A's
     (A's server loaded B's weights as A's v0), and B's first sync deleted every v* it had not published,
