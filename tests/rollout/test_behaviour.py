@@ -20,13 +20,7 @@ from ratchet.errors import is_transient
 from ratchet.rollout.behaviour import ServerWeights, open_behaviour
 from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
-from tests.rollout.test_engine_contract import CHAT, PROMPTS, _call, _LoopbackServer, _save
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return _save(root / "a", 0), _save(root / "b", 1)
+from tests.rollout.test_engine_contract import CHAT, PROMPTS, _call, _LoopbackServer, checkpoints  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
