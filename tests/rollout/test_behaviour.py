@@ -20,7 +20,7 @@ from ratchet.errors import is_transient
 from ratchet.rollout.behaviour import ServerWeights, open_behaviour
 from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
-from tests.rollout.test_engine_contract import CHAT, PROMPTS, _call, _LoopbackServer, checkpoints  # noqa: F401 (a fixture)
+from tests.rollout.test_engine_contract import CHAT, PROMPTS, _call, _LoopbackServer
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,6 @@ def _save(path, seed: int):
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return _save(root / "tiny", 0), _save(root / "tiny-b", 1)
-
-
-@pytest.fixture(scope="module")
 def reference(checkpoints):
     """The in-process engine on the saved checkpoint: what every engine is held to."""
     model, tok = load_policy(checkpoints[0])
