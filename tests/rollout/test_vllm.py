@@ -25,15 +25,9 @@ from ratchet.rollout.client import HTTPEngine
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.net import free_port
 from ratchet.rollout.vllm import ServerProcess, VLLMEngine, _listens, vllm_command, vllm_engine
-from tests.rollout.test_engine_contract import PROMPTS, _save
+from tests.rollout.test_engine_contract import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    return _save(root / "a", 0), _save(root / "b", 1)
 
 
 def ratchet_serve(model, port: int) -> list[str]:
