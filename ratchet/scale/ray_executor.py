@@ -16,9 +16,10 @@ warm between chunks).
 
 A chunk whose Ray task fails (its node or worker died, after Ray's own retries; or it raised:
 the message then names what it raised) comes back as infra_error results, and so do the chunks
-still out when none has finished for the time one chunk's runs may take plus STALL_S (they are
-cancelled: e.g. every sandbox node left the cluster after they were submitted): the verifier
-retries them, and what keeps failing is an env_error, never a model failure. A payload whose
+still out when none has finished for the time one chunk's runs may take plus STALL_S and no alive
+node could run them any more (every sandbox node left the cluster after they were submitted: they
+are cancelled; chunks merely queued behind other flows' are waited for): the verifier retries them,
+and what keeps failing is an env_error, never a model failure. A payload whose
 interpreter (`python=`, a task runtime built on the driver under `$RATCHET_RUNTIMES`) does not
 exist on the node comes back the same way: put the runtime cache on a path every node shares.
 """
@@ -38,8 +39,9 @@ from ratchet.scale import StatsMixin
 RESOURCE = "sandbox"
 STALL_S = 300.0
 """Seconds, on top of the wall-clock limits of one chunk's runs, that a call waits for its next chunk to
-finish (a worker's start, the sandbox's first slot, other flows' chunks ahead in the queue) before it
-gives up on the chunks still out."""
+finish (a worker's start, the sandbox's first slot) before it looks whether any alive node can still
+run its chunks: if one can (they are queued behind other flows' chunks), it waits on; if none can
+(every sandbox node left), it gives up on the chunks still out."""
 log = logging.getLogger("ratchet.scale")
 _connected: str | None = None
 _lock = threading.Lock()
@@ -136,6 +138,9 @@ class RayExecutor(StatsMixin):
         done: dict[int, list[RunResult]] = {}
         while out:
             ready, _ = ray.wait(list(out), num_returns=1, timeout=stall_s)
+            if not ready and largest_node() >= k:    # queued behind other flows' chunks, or slow: still runnable
+                log.warning("ray: no chunk finished in %.0f s; %d still out, waiting (a node can run them)", stall_s, len(out))
+                continue
             if not ready:
                 why = _stalled(stall_s, len(out), len(chunks[0]), k)
                 log.warning("%s", why)
