@@ -26,9 +26,11 @@ import contextlib
 import copy
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Callable, Iterator
@@ -36,6 +38,7 @@ from typing import Callable, Iterator
 import torch
 
 from ratchet.config import RolloutConfig
+from ratchet.scratch import alive
 
 
 class Behaviour(ABC):
@@ -154,8 +157,7 @@ class ServerWeights(Behaviour):
             raise ValueError("ServerWeights: give an engine, or how to start one")
         super().__init__(engine, keep)
         self.start = start
-        Path(sync_dir).mkdir(parents=True, exist_ok=True)
-        self.sync_dir = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=sync_dir))   # this run's own
+        self.sync_dir = _own_dir(Path(sync_dir))       # this run's own
         self._serving: int | None = None               # the version the server was last told to load
         self._retired: dict[int, Path] = {}            # dropped while _serving, deleted once it moves on
 
@@ -163,8 +165,9 @@ class ServerWeights(Behaviour):
         from ratchet.model import save_policy
 
         path = self.sync_dir / f"v{version:06d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".v{version:06d}.", suffix=".tmp", dir=self.sync_dir))
+        tmp = self.sync_dir / f".v{version:06d}.{uuid.uuid4().hex[:12]}.tmp"
         try:
+            tmp.mkdir()
             save_policy(model, tokenizer, tmp)
             with self._lock:                   # published again after a drop: that path is the new one's
                 self._retired.pop(version, None)
@@ -195,6 +198,21 @@ class ServerWeights(Behaviour):
                 self._retired[version] = snapshot
                 return
         shutil.rmtree(snapshot, ignore_errors=True)
+
+
+def _own_dir(sync_dir: Path) -> Path:
+    """A new directory of this process's in `sync_dir`, `<host>-<pid>-<random>`, made as a plain mkdir
+    (the umask's mode: a server on another node may read it as another user; mkdtemp's is 0700). The
+    directories of processes of this host that are gone (a run killed before it closed) are removed."""
+    host = socket.gethostname()
+    sync_dir.mkdir(parents=True, exist_ok=True)
+    for path in sync_dir.glob(f"{host}-*-*"):
+        pid = path.name[len(host) + 1:].split("-", 1)[0]
+        if path.is_dir() and pid.isdigit() and not alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+    own = sync_dir / f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    own.mkdir()
+    return own
 
 
 def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:

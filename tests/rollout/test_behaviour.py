@@ -8,6 +8,9 @@ weight-sync bookkeeping is checked against a stand-in server that records what i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,6 +112,32 @@ def test_runs_sharing_a_sync_dir_keep_their_own_versions(policies, tmp_path):
     assert [v for v, _ in b.engine.loads] == [0] and same_weights(b.engine.loads[0][1], mb)
     assert sorted(p.name for p in a.sync_dir.iterdir()) == ["v000000", "v000005"]
     assert a.sync_dir.parent == b.sync_dir.parent == sync and a.sync_dir != b.sync_dir
+
+
+def test_a_runs_versions_are_readable_by_another_user_and_a_gone_runs_are_removed(policies, tmp_path):
+    """Found by review: the run's directory and each version were made by mkdtemp (mode 0700), so a
+    server reading a shared sync_dir as another user (a vLLM container) could load none; and nothing
+    removed the directory of a run that was killed. Plain mkdirs (the umask's mode); the next run on
+    the host removes those of processes that are gone, never a live one's."""
+    import socket
+    import stat
+
+    model, tok = policies[0]
+    sync, host = tmp_path / "sync", socket.gethostname()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (sync / f"{host}-{gone.stdout.strip()}-dead0000" / "v000003").mkdir(parents=True)   # a killed run's
+    (sync / f"{host}-{os.getpid()}-live0000").mkdir()                                    # a live one's
+    (sync / "otherhost-1-x").mkdir()                                                     # another host's
+    old = os.umask(0o022)
+    try:
+        behaviour = ServerWeights(Recorder(), sync, keep=1)
+        behaviour.publish(0, model, tok)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(behaviour.sync_dir.stat().st_mode) == 0o755
+    assert stat.S_IMODE((behaviour.sync_dir / "v000000").stat().st_mode) == 0o755
+    assert sorted(p.name for p in sync.iterdir()) == sorted(["otherhost-1-x", f"{host}-{os.getpid()}-live0000",
+                                                             behaviour.sync_dir.name])
 
 
 def test_only_versions_it_dropped_are_deleted_once_the_server_moved_on(policies, tmp_path):
