@@ -49,12 +49,11 @@ def end_attempt(store: ArtifactStore, run_id: str, attempt: int, outcome: str) -
     store.put_json(f"runs/{run_id}/attempts.json", attempts)
     key = f"runs/{run_id}/summary.json"
     summary = store.get_json(key) if store.exists(key) else None
-    if summary:   # its attempts as they ended (one written while this attempt ran: a health stop, the last write)
+    if summary:   # every attempt as it ended (the one that wrote it: a health stop, the last write, included)
         fresh = {**summary, **_attempt_fields(attempts)}
         if not any(s["attempt"] == attempt for s in summary["attempts"]):
-            # written by an earlier attempt (its health stop, its promotion): this one ended without a summary
-            # of its own, and went further or not; every wave recorded now, and whose the other fields are
-            fresh["history"] = history(store, run_id, summary.get("steps", len(summary["history"])))
+            # written by an earlier attempt (its health stop, its promotion; its history): this one ended
+            # without a summary of its own, and its waves are in their stats.json, not in the summary
             fresh["fields_from_attempt"] = summary.get("fields_from_attempt", max(s["attempt"] for s in summary["attempts"]))
         store.put_json(key, fresh)
     return a

@@ -23,11 +23,27 @@ from tasks.retry import transient_only
 INCUMBENT = "models/promoted/INCUMBENT"
 
 
-def _eval(engine, heldout: list[Ref], cfg: NightlyConfig):
-    specs = interleave([load_specs(r) for r in heldout])[: cfg.eval.n_tasks]   # every family / source gets its share
+def _tasks(heldout: list[Ref], cfg: NightlyConfig) -> list:
+    """The held-out tasks an evaluation runs: every family / source gets its share of eval.n_tasks."""
+    return interleave([load_specs(r) for r in heldout])[: cfg.eval.n_tasks]
+
+
+def _eval(engine, specs: list, cfg: NightlyConfig):
     return evaluate_policy(engine, specs, cfg.verify, cfg.rollout.max_new_tokens, cfg.rollout.batch_size,
                            samples=cfg.eval.samples, temperature=cfg.eval.temperature, seed=cfg.train.seed,
                            agent=cfg.agent)
+
+
+def task_digests(specs: list) -> dict[str, str]:
+    """Each held-out task's content, by id: a record is compared with another only where the tasks
+    they share read the same (a family's code fixed between a crash and its resume makes new tasks
+    under the same ids; an audit verdict that flipped only adds or drops one, which pairing handles)."""
+    return {s.task_id: hashlib.sha256(s.model_dump_json().encode()).hexdigest()[:12] for s in specs}
+
+
+def _changed(kept: dict, now: dict[str, str]) -> list[str]:
+    """The task ids a kept record and this attempt share whose content differs."""
+    return [t for t, d in (kept.get("task_digests") or {}).items() if t in now and now[t] != d]
 
 
 def set_aside_evaluations(store, run_id: str, resumed_at: int) -> list[str]:
@@ -49,14 +65,11 @@ def set_aside_evaluations(store, run_id: str, resumed_at: int) -> list[str]:
     return moved
 
 
-def protocol(cfg: NightlyConfig, heldout: list[Ref]) -> dict:
-    """What an evaluation's figures depend on besides the weights: two records are compared
-    (promotion, the vertical table) only under one protocol. `heldout_tasks`: the held-out tables'
-    bytes (a family's code fixed between a crash and its resume makes new tasks under the same ids);
-    `confidence`: the level its intervals were computed at."""
-    tasks = hashlib.sha256(" ".join(r.sha256 for r in heldout).encode()).hexdigest()[:16]
-    return _as_judged({"heldout_tasks": tasks, "confidence": cfg.eval.confidence,
-                       "n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
+def protocol(cfg: NightlyConfig) -> dict:
+    """What an evaluation's figures depend on besides the weights and the tasks (`task_digests`): two
+    records are compared (promotion, the vertical table) only under one protocol. `confidence`: the
+    level its intervals were computed at."""
+    return _as_judged({"confidence": cfg.eval.confidence, "n_tasks": cfg.eval.n_tasks, "samples": cfg.eval.samples, "temperature": cfg.eval.temperature,
                        "seed": cfg.train.seed, "max_new_tokens": cfg.rollout.max_new_tokens, "turns": cfg.agent.turns,
                        "observation_tokens": cfg.agent.observation_tokens, "stop_on_pass": cfg.agent.stop_on_pass,
                        # the sandbox's limits decide pass and fail, and its feedback an episode's next turn
@@ -80,7 +93,8 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
     protocols, or fail at promotion after all its training)."""
     store = open_store(cfg.store)
     key = f"runs/{policy.run_id}/eval/{policy.version:06d}"
-    now = protocol(cfg, heldout)
+    now, specs = protocol(cfg), _tasks(heldout, cfg)
+    digests = task_digests(specs)
     if store.exists(f"{key}.json"):
         kept = store.get_json(f"{key}.json")
         was = {**now, **_as_judged(kept.get("protocol", now))}   # what a record from before a key was kept lacks: as now
@@ -90,11 +104,16 @@ def evaluate(policy: sessions.PolicyRef, heldout: list[Ref], cfg: NightlyConfig)
                              + ", ".join(f"{k} {a!r}" for k, (a, _) in changed.items()) + "; this attempt has "
                              + ", ".join(f"{k} {b!r}" for k, (_, b) in changed.items())
                              + ": resume with the run's own settings, or start a new run id")
+        if other := _changed(kept, digests):
+            raise ValueError(f"run {policy.run_id}: {len(other)} held-out task(s) (e.g. {other[0]!r}) read differently "
+                             f"from when policy v{policy.version} was evaluated (a family's code or a task source "
+                             f"changed since): its results would be paired with another task's; start a new run id")
         return kept
     session = sessions.open_session(policy, cfg)
-    result = _eval(session.engine, heldout, cfg)
+    result = _eval(session.engine, specs, cfg)
     ref = store.write_table(f"{key}.parquet", result.rows)
-    out = {"version": policy.version, "eval": ref.uri, "protocol": now, **result.summary(cfg.eval.confidence)}
+    out = {"version": policy.version, "eval": ref.uri, "protocol": now, "task_digests": digests,
+           **result.summary(cfg.eval.confidence)}
     get_run_logger().info("policy v%d held-out pass@1 %.3f (CI %s) pass@k %s%s", policy.version, out["pass_rate"],
                           out["ci"], out["pass_at"], f", by turn {out['turns']}" if "turns" in out else "")
     store.put_json(f"{key}.json", out)
@@ -110,18 +129,20 @@ def evaluate_incumbent(policy: sessions.PolicyRef, heldout: list[Ref], cfg: Nigh
     store = open_store(cfg.store)
     pointer = store.get_pointer(INCUMBENT)
     key = f"runs/{policy.run_id}/eval/incumbent.json"
-    now, judged_under = pointer.uri if pointer else None, protocol(cfg, heldout)
+    now, judged_under, specs = pointer.uri if pointer else None, protocol(cfg), _tasks(heldout, cfg)
+    digests = task_digests(specs)
     if store.exists(key):
         kept = store.get_json(key)
         if (now in (kept["checkpoint"], policy.checkpoint.uri if policy.checkpoint else None)
-                and kept.get("protocol") is not None and _as_judged(kept["protocol"]) == judged_under):
+                and kept.get("protocol") is not None and _as_judged(kept["protocol"]) == judged_under
+                and not _changed(kept, digests)):
             return kept["result"]
     result = None
     if pointer is not None:
         with scratch_dir("incumbent") as tmp:
-            got = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), heldout, cfg)
+            got = _eval(sessions.load_engine(store.get_dir(pointer, Path(tmp)), cfg), specs, cfg)
         result = {"checkpoint": now, **got.summary(cfg.eval.confidence)}
-    store.put_json(key, {"checkpoint": now, "protocol": judged_under, "result": result})
+    store.put_json(key, {"checkpoint": now, "protocol": judged_under, "task_digests": digests, "result": result})
     return result
 
 

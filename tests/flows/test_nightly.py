@@ -137,7 +137,10 @@ def test_with_every_checkpoint_corrupt_the_run_stops_and_keeps_its_history(first
             store.path(k).write_bytes(b"not the weights")                # bytes changed behind the store's back
     with pytest.raises(NoUsableCheckpoint, match="r1"):
         nightly(tiny(store_uri, run_id="r1"))
-    assert store.get_json("runs/r1/summary.json") == before                # nothing written over
+    after = store.get_json("runs/r1/summary.json")                        # nothing written over but the attempts
+    assert {k: v for k, v in after.items() if k not in ("attempts", "wall_s", "fields_from_attempt")} == {
+        k: v for k, v in before.items() if k not in ("attempts", "wall_s")}
+    assert after["attempts"][:-1] == before["attempts"] and after["fields_from_attempt"] == len(before["attempts"]) - 1
     assert {k: store.ref(k).sha256 for k in store.list("runs/r1/waves/")} == waves
     attempts = store.get_json("runs/r1/attempts.json")
     assert attempts[-1]["outcome"].startswith("failed: NoUsableCheckpoint")

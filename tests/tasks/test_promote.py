@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect.logging import disable_run_logger
 
 from ratchet.config import EvalConfig, NightlyConfig, StoreConfig
-from ratchet.store import Ref, open_store
+from ratchet.store import open_store
 from ratchet.train.session import PolicyRef
 from tasks.evaluate import INCUMBENT, promote
 
@@ -81,7 +81,7 @@ def test_a_run_resumed_after_it_promoted_is_judged_against_what_it_beat(tmp_path
         assert evaluate_incumbent.fn(other, [], cfg)["checkpoint"] == mine.uri and len(judged) == 2   # another run
 
 
-def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_changed(tmp_path):
+def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_changed(tmp_path, monkeypatch):
     """Kept evaluations are reused on resume. One made with eval.samples 1 beside an incumbent
     evaluated now with 4 failed at promotion, after all the training (and a changed temperature or
     turn count compared two protocols silently): the resumed run's base evaluation refuses instead."""
@@ -91,7 +91,7 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
 
     cfg = NightlyConfig(store=StoreConfig(uri=str(tmp_path)))
     store = open_store(cfg.store)
-    kept = {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg, [])}
+    kept = {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg)}
     store.put_json("runs/r/eval/000000.json", kept)
     base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
     assert evaluate.fn(base, [], cfg) == kept                                   # the same settings: reused
@@ -104,14 +104,29 @@ def test_a_run_resumed_under_another_evaluation_protocol_stops_naming_what_chang
         evaluate.fn(base, [], longer)
     # found by review: a run resumed on other held-out tasks (a family's code fixed meanwhile: new tasks under the
     # same ids) or another confidence level reused its base record, pairing results on other tasks at promotion
-    other_tasks = [Ref(uri=f"file://{tmp_path}/envs/f/v2/heldout_passed.parquet", sha256="b" * 64, size=1)]
-    with pytest.raises(ValueError, match=r"evaluated with heldout_tasks '[0-9a-f]{16}'; this attempt has heldout_tasks"):
-        evaluate.fn(base, other_tasks, cfg)
+    import tasks.evaluate as evaluation
+
+    class Spec:
+        def __init__(self, task_id, text):
+            self.task_id, self.text = task_id, text
+
+        def model_dump_json(self):
+            return self.text
+
+    was = [Spec("t1", "x + 1"), Spec("t2", "x * 2")]
+    store.put_json("runs/r/eval/000000.json", {**kept, "task_digests": evaluation.task_digests(was)})
+    for now in ([Spec("t1", "x + 1")], [Spec("t1", "x + 1"), Spec("t2", "x * 2"), Spec("t3", "x")]):  # a verdict flipped
+        monkeypatch.setattr(evaluation, "_tasks", lambda heldout, cfg, now=now: now)
+        assert evaluate.fn(base, [], cfg)["pass_rate"] == 0.5
+    monkeypatch.setattr(evaluation, "_tasks", lambda heldout, cfg: [Spec("t1", "x + 1"), Spec("t2", "x * 3")])
+    with pytest.raises(ValueError, match=r"^run r: 1 held-out task\(s\) \(e.g. 't2'\) read differently from when policy v0 "):
+        evaluate.fn(base, [], cfg)
+    monkeypatch.undo()
     wider = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"confidence": 0.9})})
     with pytest.raises(ValueError, match=r"evaluated with confidence 0.95; this attempt has confidence 0.9"):
         evaluate.fn(base, [], wider)
     older = {**kept, "protocol": {k: v for k, v in kept["protocol"].items()
-                                  if not k.startswith(("verify_", "feedback", "heldout", "confidence"))}}
+                                  if not k.startswith(("verify_", "feedback", "confidence"))}}
     store.put_json("runs/r/eval/000000.json", older)      # kept before the protocol named the sandbox's limits
     assert evaluate.fn(base, [], cfg) == older
 
@@ -130,11 +145,11 @@ def test_a_greedy_evaluation_is_reused_under_another_temperature_or_seed_and_a_s
 
     store = open_store(StoreConfig(uri=str(tmp_path)))
     base = PolicyRef(run_id="r", version=0, checkpoint=None, checkpoint_version=0)
-    before_the_rule = {**protocol(cfg_with(1, 1.0, 0), []), "temperature": 1.0, "seed": 0}
+    before_the_rule = {**protocol(cfg_with(1, 1.0, 0)), "temperature": 1.0, "seed": 0}
     store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": before_the_rule})
-    assert protocol(cfg_with(1, 0.7, 3), []) == protocol(cfg_with(1, 1.0, 0), [])
+    assert protocol(cfg_with(1, 0.7, 3)) == protocol(cfg_with(1, 1.0, 0))
     assert evaluate.fn(base, [], cfg_with(1, 0.7, 3))["pass_rate"] == 0.5          # reused, not evaluated again
-    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg_with(4, 1.0, 0), [])})
+    store.put_json("runs/r/eval/000000.json", {"version": 0, "pass_rate": 0.5, "protocol": protocol(cfg_with(4, 1.0, 0))})
     assert evaluate.fn(base, [], cfg_with(4, 1.0, 0))["pass_rate"] == 0.5
     with pytest.raises(ValueError, match=r"evaluated with temperature 1.0; this attempt has temperature 0.7"):
         evaluate.fn(base, [], cfg_with(4, 0.7, 0))
