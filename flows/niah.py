@@ -23,7 +23,7 @@ from tasks.niah import probe_niah
 def niah(model: str | None = None, probe: NiahConfig = NiahConfig(), store: StoreConfig = StoreConfig()) -> dict:
     """Bury a key at several depths in contexts of several lengths; recall per cell. `model`: a local
     Hugging Face directory, a checkpoint's key in the store, or empty for the promoted incumbent."""
-    probe, store = deployment_settings(probe=probe, store=store)   # a partial override keeps the deployment's store
+    model, probe, store = deployment_settings(model=model, probe=probe, store=store)   # a partial override keeps the deployment's store
     require_store(store)
     return probe_niah(model, probe, store)
 

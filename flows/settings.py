@@ -28,16 +28,16 @@ from typing import Any, NoReturn, get_type_hints
 
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
-from pydantic import BaseModel
+from pydantic import TypeAdapter
 
 from ratchet.config import StoreConfig, deep_merge
 from ratchet.preflight import SettingsError, check_store
 
 
-def deployment_settings(**given: BaseModel | dict) -> tuple[Any, ...]:
-    """The flow's parameters `given` (in their order) as this run should see them, validated into
-    the settings class the flow declares: in a run of a deployment, each one the deployment's value
-    deep-merged under what the run was given."""
+def deployment_settings(**given: Any) -> tuple[Any, ...]:
+    """The flow's parameters `given` (in their order) as this run should see them, validated as the
+    flow declares them (a settings class, `str | None`): in a run of a deployment, each settings dict
+    the deployment's value deep-merged under what the run was given."""
     ctx = FlowRunContext.get()
     run = ctx.flow_run if ctx else None
     declared = get_type_hints(ctx.flow.fn) if ctx else {}
@@ -48,10 +48,9 @@ def deployment_settings(**given: BaseModel | dict) -> tuple[Any, ...]:
         raw = run.parameters or {}   # as stored: the run's own values (Prefect put the deployment's under them, one level deep)
     merged = []
     for name, value in given.items():
-        kind = declared.get(name, type(value))
         if isinstance(defaults.get(name), dict) and isinstance(raw.get(name), dict):
             value = deep_merge(defaults[name], raw[name])
-        merged.append(kind.model_validate(value) if isinstance(value, dict) else value)
+        merged.append(TypeAdapter(declared[name]).validate_python(value) if name in declared else value)
     return tuple(merged)
 
 

@@ -139,3 +139,18 @@ def test_a_partial_override_valid_only_over_the_deployment_reaches_the_merge(mon
     context.flow_run.deployment_id = None                        # not a deployment run: the value alone, validated
     with pytest.raises(ValueError, match=r"reward.overlong_buffer 128 is longer than an answer can be"):
         settings.deployment_settings(cfg=run["cfg"])
+
+
+def test_a_flow_parameter_prefect_no_longer_checks_is_checked_here(monkeypatch):
+    """Found by review: with Prefect's own check off, niah's `model` (str | None) was not validated: a
+    number reached the probe. deployment_settings validates every parameter as the flow declares it."""
+    from types import SimpleNamespace
+
+    import flows.settings as settings
+    from flows.niah import niah
+
+    monkeypatch.setattr(settings.FlowRunContext, "get", lambda: SimpleNamespace(
+        flow=niah, flow_run=SimpleNamespace(deployment_id=None, parameters={})))
+    with pytest.raises(ValueError, match="Input should be a valid string"):
+        settings.deployment_settings(model=5)
+    assert settings.deployment_settings(model=None, store={"uri": "/x"}) == (None, StoreConfig(uri="/x"))
