@@ -199,17 +199,20 @@ def test_an_attempt_whose_lease_was_taken_over_leaves_attempts_json_to_the_new_o
     from ratchet.summary import begin_attempt
 
     store = open_store(str(tmp_path / "store"))
+    new = RunLease(store, "r1", owner="new", ttl_s=60, settle_s=0)
     with pytest.raises(LeaseLost):
         with run_attempt(store, "r1", owner="old", ttl_s=60) as old:
             old.stop_heartbeat()
             store.put_json(lease_key("r1"), {**store.get_json(lease_key("r1")), "heartbeat_at": 0.0})   # gone stale
-            with RunLease(store, "r1", owner="new", ttl_s=60, settle_s=0) as new:
-                begin_attempt(store, "r1")          # the new owner's attempt; the old one is marked interrupted
-                theirs = store.get_json("runs/r1/attempts.json")
-                with pytest.raises(LeaseLost):
-                    old.heartbeat()
-                raise LeaseLost("the old owner stops")
+            new.acquire()                            # taken over, and held while the old attempt ends
+            begin_attempt(store, "r1")               # the new owner's attempt; the old one is marked interrupted
+            theirs = store.get_json("runs/r1/attempts.json")
+            with pytest.raises(LeaseLost):
+                old.heartbeat()
+            raise LeaseLost("the old owner stops")
     assert [a["outcome"] for a in theirs] == ["interrupted: the process ended without closing the attempt (killed?)",
                                               "running"]
     assert store.get_json("runs/r1/attempts.json") == theirs
     assert "attempt 0 ended (failed: LeaseLost: the old owner stops) and is not recorded" in caplog.text
+    assert "taken over by owner 'new'" in caplog.text and store.get_json(lease_key("r1"))["token"] == new.token
+    new.release()
