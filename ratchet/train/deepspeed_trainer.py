@@ -137,15 +137,12 @@ class DeepSpeedTrainer(Trainer):
             group["lr"] = lr
         # ZeRO stage 0 in fp32 clips without recording the norm (get_global_grad_norm: None): the norm of the
         # gradients as they stand before the step (not partitioned at stage 0)
-        mine = self._grad_norm() if self._zero == 0 else None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None] if self._zero == 0 else []
+        mine = torch.nn.utils.get_total_norm(grads) if grads else None
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = norm if norm is not None else mine
         return float(norm) if norm is not None else float("nan")
-
-    def _grad_norm(self) -> float:
-        grads = [p.grad.detach().float().norm() for p in self.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else 0.0
 
     def _optimizer_state(self) -> dict:
         state = self.optimizer.state_dict()
