@@ -10,6 +10,7 @@ hold a model's weights); the next run's start does.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,10 +33,16 @@ def scratch_dir(kind: str) -> tempfile.TemporaryDirectory:
 
 def remove_stale_scratch(root: str | Path | None = None) -> list[str]:
     """Remove the scratch directories whose process is gone; returns their paths."""
+    return remove_gone(root or tempfile.gettempdir(), r"ratchet-[^-]*-(\d+)-")
+
+
+def remove_gone(root: str | Path, name: str) -> list[str]:
+    """Remove the directories in `root` whose name starts as the regex `name` says, its first group the
+    pid of a process of this host that made it, where that process is gone; returns their paths."""
     removed = []
-    for path in Path(root or tempfile.gettempdir()).glob("ratchet-*-*-*"):
-        parts = path.name.split("-", 3)
-        if path.is_dir() and parts[2].isdigit() and not alive(int(parts[2])):
+    for path in Path(root).iterdir():
+        made_by = re.match(name, path.name)
+        if made_by and path.is_dir() and not alive(int(made_by.group(1))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(str(path))
     return removed

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -38,7 +39,7 @@ from typing import Callable, Iterator
 import torch
 
 from ratchet.config import RolloutConfig
-from ratchet.scratch import alive
+from ratchet.scratch import remove_gone
 
 
 class Behaviour(ABC):
@@ -206,10 +207,7 @@ def _own_dir(sync_dir: Path) -> Path:
     directories of processes of this host that are gone (a run killed before it closed) are removed."""
     host = socket.gethostname()
     sync_dir.mkdir(parents=True, exist_ok=True)
-    for path in sync_dir.glob(f"{host}-*-*"):
-        pid = path.name[len(host) + 1:].split("-", 1)[0]
-        if path.is_dir() and pid.isdigit() and not alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+    remove_gone(sync_dir, rf"{re.escape(host)}-(\d+)-")
     own = sync_dir / f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     own.mkdir()
     return own
