@@ -221,19 +221,17 @@ def open_behaviour(engine, rollout: RolloutConfig, seed: int = 0) -> Behaviour:
     if rollout.engine == "torch":
         return TorchCopy(engine, keep) if rollout.mode == "async" else Shared(engine)
     sync_dir = rollout.sync_dir or tempfile.mkdtemp(prefix=f"ratchet-sync-{os.getpid()}-")   # scratch: removed when stale
+    client = dict(encode=engine.encode_prompts, timeout_s=rollout.request_timeout_s)   # every server engine's
     if rollout.engine == "http":
         from ratchet.rollout.client import HTTPEngine
 
-        return ServerWeights(HTTPEngine(rollout.engine_url, encode=engine.encode_prompts,
-                                                timeout_s=rollout.request_timeout_s), sync_dir, keep)
+        return ServerWeights(HTTPEngine(rollout.engine_url, **client), sync_dir, keep)
     from ratchet.rollout.vllm import VLLMEngine, vllm_engine
 
     if rollout.engine_url:
-        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync, encode=engine.encode_prompts,
-                                        timeout_s=rollout.request_timeout_s),
-                             sync_dir, keep)
+        return ServerWeights(VLLMEngine(rollout.engine_url, sync=rollout.vllm_sync, **client), sync_dir, keep)
     start = lambda path: vllm_engine(rollout.vllm_python, path, rollout.vllm_args, rollout.vllm_sync, seed,  # noqa: E731
-                                     encode=engine.encode_prompts, timeout_s=rollout.request_timeout_s)
+                                     **client)
     return ServerWeights(None, sync_dir, keep, start=start)
 
 
