@@ -44,14 +44,15 @@ TABLES = ("trained.parquet", "scored.parquet", "trajectories.parquet")
 SCORING = "scoring.json"
 
 
-def drop_later_tables(store: ArtifactStore, key: str) -> None:
-    """Before the wave table at `key` is written again (a wave redone after a resume or a retry):
-    delete the tables an earlier attempt made from it, so that `load_wave` never reads the old
+def write_wave_table(store: ArtifactStore, key: str, frame: pl.DataFrame) -> Ref:
+    """Write the wave table at `key` (one of TABLES), first deleting the tables an earlier attempt
+    made from it (a wave redone after a resume or a retry), so that `load_wave` never reads the old
     attempt's rows beside the new one's (a redo that stopped at the gate showed the old, clean
     trained rows)."""
     prefix, _, name = key.rpartition("/")
     for later in TABLES[:TABLES.index(name)]:
         store.delete(f"{prefix}/{later}")
+    return store.write_table(key, frame)
 
 
 class TraceError(ValueError):

@@ -39,6 +39,5 @@ def rollout_wave(policy: sessions.PolicyRef, step: int, train: list[Ref], cfg: N
     if behaviour.syncs != syncs:
         get_run_logger().info("wave %d: %s engine synced to policy v%d in %.3f s", step, cfg.rollout.engine,
                               policy.version, behaviour.last_sync_s)
-    key, store = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet", open_store(cfg.store)
-    trace.drop_later_tables(store, key)
-    return store.write_table(key, frame), stats
+    key = f"runs/{policy.run_id}/waves/{step:06d}/trajectories.parquet"
+    return trace.write_wave_table(open_store(cfg.store), key, frame), stats

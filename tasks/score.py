@@ -28,5 +28,4 @@ def score_wave(wave: Ref, train: list[Ref], cfg: NightlyConfig) -> tuple[Ref, di
                         cap=cfg.rollout.max_new_tokens)
     stats = {**stages.wave_stats(frame, cfg), **stages.sandbox_stats(frame)}   # ratchet.monitor reads the first
     stats.update(executor.stats)               # sandbox runs launched / reaped / orphaned, nodes used
-    trace.drop_later_tables(store, wave.sibling("scored.parquet"))
-    return store.write_table(wave.sibling("scored.parquet"), frame), stats
+    return trace.write_wave_table(store, wave.sibling("scored.parquet"), frame), stats

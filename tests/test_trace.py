@@ -243,7 +243,7 @@ def test_a_wave_scored_again_is_traced_from_its_new_table_not_an_earlier_attempt
     """Found by review: a wave redone after a resume rewrote trajectories and scored tables but left
     the earlier attempt's trained.parquet, which `trace show` reads first: a redo that stopped at the
     gate showed the old attempt's clean rows. Writing a wave table drops the tables made from it."""
-    from ratchet.trace import drop_later_tables
+    from ratchet.trace import write_wave_table
     from tasks.score import score_wave
 
     cfg, _ = make_wave(str(tmp_path), production)
@@ -252,5 +252,6 @@ def test_a_wave_scored_again_is_traced_from_its_new_table_not_an_earlier_attempt
     assert load_wave(store, RUN, STEP).table == "trained.parquet"
     score_wave.fn(store.ref(f"{prefix}/trajectories.parquet"), [save_production(store, production)["train"]], cfg)
     assert not store.exists(f"{prefix}/trained.parquet") and load_wave(store, RUN, STEP).table == "scored.parquet"
-    drop_later_tables(store, f"{prefix}/trajectories.parquet")       # what rollout_wave does before it writes
+    key = f"{prefix}/trajectories.parquet"
+    write_wave_table(store, key, store.read_table(key))               # what rollout_wave writes a wave with
     assert load_wave(store, RUN, STEP).table == "trajectories.parquet"
