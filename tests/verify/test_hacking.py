@@ -389,6 +389,17 @@ def test_float_tolerance_is_the_verifiers_one_comparison():
     assert not same(None, "null", 1e-6) and not same('{"$float":"nan"}', "0.0", 1e-6)
 
 
+def test_results_no_comparison_can_read_are_not_equal():
+    """An int beyond any float (math.isclose: OverflowError) and a result nested deeper than json's stack where
+    `same` reads it (RecursionError) once raised out of verify_many; each is simply a wrong result."""
+    from ratchet.verify.verifier import same
+    assert not same(str(10 ** 400), "0.5", 1e-6) and not same(f"[{10 ** 400}]", "[0.5]", 1e-6)
+    assert same(str(10 ** 400), str(10 ** 400), 1e-6)                         # two ints: still exact
+    deep = "[" * 100_000 + "]" * 100_000
+    for tol in (None, 1e-6):
+        assert not same(deep, "[]", tol) and not same("[]", deep, tol)
+
+
 def test_humaneval_a_correct_answer_rounded_differently_passes_and_random_checks_are_recorded():
     from envs.humaneval import humaneval_path
     from envs.importers import read_tasks
