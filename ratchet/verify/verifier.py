@@ -53,7 +53,7 @@ from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytes
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
-from ratchet.sandbox.harness import MARK, call_harness, parse_harness_output
+from ratchet.sandbox.harness import MARK, _int, call_harness, parse_harness_output
 from ratchet.sandbox.host import host_python
 from ratchet.sandbox.model import DEFAULT_PATH
 
@@ -334,8 +334,9 @@ def _raised_calls(stdout: str) -> dict[int, str]:
     out = {}
     for line in stdout.splitlines():
         parts = line.split("\t", 2)
-        if len(parts) == 3 and parts[0] == MARK and parts[2].startswith("!") and parts[1].isdigit():
-            out[int(parts[1])] = "raised " + parts[2][1:]
+        i = _int(parts[1]) if len(parts) == 3 and parts[0] == MARK and parts[2].startswith("!") else None
+        if i is not None:   # not str.isdigit: "²" is a digit to it and the answer may print such a line
+            out[i] = "raised " + parts[2][1:]
     return out
 
 

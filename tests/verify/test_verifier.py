@@ -15,8 +15,9 @@ from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.commands import json_report_counts, parse_command, pytest_counts, pytest_report
 from ratchet.data.schemas import METRICS
-from ratchet.verify.verifier import Plan, _call_detail, _command_passed
+from ratchet.verify.verifier import Plan, _call_detail, _command_passed, _raised_calls
 from ratchet.sandbox import Payload, RunResult
+from ratchet.sandbox.harness import MARK
 from ratchet.sandbox.host import host_python
 
 TEST_A = "from solution import f\n\n\ndef test_one():\n    assert f(1) == 2\n\n\ndef test_two():\n    assert f(5) == 6\n"
@@ -195,3 +196,9 @@ def test_a_long_call_detail_keeps_what_the_call_got():
     assert _call_detail("x" * 400, "7", got).endswith("x...: expected 7, got " + got)     # inside their brackets
     cut = _call_detail("[1]", "x" * 400, "y" * 400)                                    # long values: each cut
     assert len(cut) <= 300 and cut.startswith("args [1]: expected xxx") and cut.endswith("y...")
+
+
+def test_raised_calls_read_only_call_numbers():
+    """"²".isdigit() is true and int("²") raises: a result line the answer printed with it ended verify_many."""
+    lines = [f"{MARK}\t\u00b2\t!x", f"{MARK}\t{'1' * 5000}\t!y", f"{MARK}\t3\t!ValueError: no"]
+    assert _raised_calls("\n".join(lines) + "\n") == {3: "raised ValueError: no"}
