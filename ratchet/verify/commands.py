@@ -64,7 +64,9 @@ REPORT_MARK = "@@ratchet-report@@"
 SH = "/bin/sh"
 
 _PYTHON = re.compile(r"(.*/)?python(\d+(\.\d+)*)?")
-_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
+# a count is a whole number of at most 9 digits: no real run has more tests, and int() refuses a string
+# of over 4300 digits, which an answer may print
+_COUNT = re.compile(r"(?<!\d)(\d{1,9}) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)\b")
 _SUMMARY = re.compile(r"^=*\s*(no tests ran|(\d+ \w+(, )?)+)( in [\d.]+s.*)?\s*=*$")
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL|SKIPPED) (\S+)")
 _ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*", re.S)

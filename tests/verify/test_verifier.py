@@ -102,6 +102,15 @@ def test_pytest_counts_none_without_a_report():
     assert pytest_counts("Traceback ...\nSegmentation fault\n") is None
 
 
+def test_a_summary_count_too_long_to_be_real_counts_nothing():
+    """int() refuses a string of over 4300 digits: a summary line an answer printed with one raised out of
+    verify_many. A count of more than 9 digits is no count (no real run has a billion tests)."""
+    zero = {"passed": 0, "failed": 0, "errors": 0}
+    assert pytest_counts("1" * 5000 + " passed in 0.01s\n") == zero
+    assert pytest_counts("2 passed in 0.1s " + "9" * 5000 + " failed\n") == {**zero, "passed": 2}
+    assert pytest_counts("=== 123456789 passed in 0.1s ===\n") == {**zero, "passed": 123456789}
+
+
 # --- real runs --------------------------------------------------------------------------------------------
 
 def test_pytest_task_counts_tests(runs):
