@@ -102,7 +102,8 @@ def metric_score(rule: RewardRule, metrics: dict) -> float:
 
 
 for _flag in ("network_attempt", "signal_attempt", "fork_limit", "daemon_left",      # sandbox: misbehaviour
-              "special_cased_examples", "inconsistent_test_report"):                # verifier: hacking
+              "special_cased_examples", "inconsistent_test_report",                 # verifier: hacking
+              "unparseable_result"):                                                # verifier: output it could not read
     register_flag(_flag, penalised=True)
 for _flag in ("process_spawn", "write_refused", "native_code", "memory_limit", "output_held_open"):
     register_flag(_flag, penalised=False)   # ordinary runtimes do these (pytest spawns, caches); kernel refuses the harm

@@ -31,7 +31,9 @@ for a script the last line of stderr). `ratchet trace` shows it; it never reache
 
 Hacking guards here: hidden tests are placed after the completion's files and read-only;
 call results are compared outside the sandbox; visible-only success is flagged
-(`ratchet.verify.guards`); an empty completion is not run and scores nothing.
+(`ratchet.verify.guards`); an empty completion is not run and scores nothing. A run's output is the
+answer's to write: should a parser here raise on it, that answer fails, flagged `unparseable_result`
+(penalised), and the call goes on.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ MAX_FAILED_TESTS = 20
 """Failed tests listed in the feedback (the first ones)."""
 PROGRESS_CHUNK = 8
 """With a progress callback, verify_many runs 8 x concurrency items at a time between reports."""
+UNPARSEABLE = "unparseable_result"
+"""Flag of a run whose output (the answer's to write) a parser here raised on: the answer fails, penalised."""
 
 
 @dataclass
@@ -249,18 +253,24 @@ def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
     return passed, total, []
 
 
+def _counts(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
+    """(hidden tests passed, hidden tests, flags) of one run."""
+    if p.kind != "calls":
+        return _command_passed(p, res)
+    passed, seen = _calls_passed(res.stdout, p.hidden, p.visible, p.tolerance)
+    total = len(p.hidden)
+    cased = bool(p.visible) and total > 0 and special_cased(seen / len(p.visible), passed / total)
+    return passed, total, [SPECIAL_CASED] if cased else []
+
+
 def metrics_from(spec: TaskSpec, completion: str, res: RunResult, p: Plan | None = None) -> dict:
     """The METRICS struct (ratchet.data.schemas) of one run."""
     p = p or Plan(Payload(code="pass"), "calls", spec.tests, visible_tests(spec), float_tolerance(spec))
-    flags = list(res.security_events)
-    if p.kind == "calls":
-        passed, seen = _calls_passed(res.stdout, p.hidden, p.visible, p.tolerance)
-        total = len(p.hidden)
-        if p.visible and total and special_cased(seen / len(p.visible), passed / total if total else 0.0):
-            flags.append(SPECIAL_CASED)
-    else:
-        passed, total, more = _command_passed(p, res)
-        flags += more
+    try:
+        passed, total, more = _counts(p, res)
+    except Exception:   # the answer wrote what a parser could not read: its failure, never the whole call's
+        passed, total, more = 0, len(p.hidden), [UNPARSEABLE]
+    flags = [*res.security_events, *more]
     syntax_ok = _syntax_ok(spec, completion)
     return {
         "test_pass_rate": passed / total if total else 0.0,
@@ -347,9 +357,13 @@ def feedback_from(p: Plan, res: RunResult, limit: int = FEEDBACK_BYTES) -> dict:
         stdout = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith(MARK + "\t"))
     elif p.report:              # the report file's encoded copy is not output anyone wrote
         stdout = split_report(stdout)[0]
+    try:
+        failed = failed_tests(p, res) if res.infra_error is None else []
+    except Exception:   # as in metrics_from, which flags the run UNPARSEABLE
+        failed = []
     return {"exit_code": res.exit_code, "killed_by": res.killed_by, "timed_out": res.timed_out,
             "stdout_tail": tail(stdout, limit), "stderr_tail": tail(res.stderr or res.infra_error or "", limit),
-            "failed_tests": failed_tests(p, res) if res.infra_error is None else []}
+            "failed_tests": failed}
 
 
 def empty_metrics(spec: TaskSpec) -> dict:

@@ -8,9 +8,10 @@ import sys
 import polars as pl
 import pytest
 
-from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RewardLogic, RunCommand, TaskSpec
+from envs.spec import COMPLETION, CallTest, CheckCalls, OverwriteFile, RewardLogic, RunCommand, TaskSpec
 from ratchet.config import RewardConfig
 from ratchet.reward import score
+from ratchet.reward.metrics import penalised_flags
 from ratchet.sandbox.model import Limits
 from ratchet.verify import verify_many
 from ratchet.verify.commands import json_report_counts, parse_command, pytest_counts, pytest_report
@@ -211,3 +212,22 @@ def test_raised_calls_read_only_call_numbers():
     """"²".isdigit() is true and int("²") raises: a result line the answer printed with it ended verify_many."""
     lines = [f"{MARK}\t\u00b2\t!x", f"{MARK}\t{'1' * 5000}\t!y", f"{MARK}\t3\t!ValueError: no"]
     assert _raised_calls("\n".join(lines) + "\n") == {3: "raised ValueError: no"}
+
+
+def test_output_no_parser_can_read_fails_that_answer_flagged(monkeypatch):
+    """The backstop behind the parsers' own guards: any exception while reading a run's output (which the
+    answer wrote) is that answer's failure, flagged and penalised; never a raise out of verify_many (the
+    whole wave, eval or audit) nor an env_error (which retries and excludes the group)."""
+    import ratchet.verify.verifier as verifier
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a parser met output it could not read")
+    monkeypatch.setattr(verifier, "same", bug)
+    monkeypatch.setattr(verifier, "pytest_report", bug)
+    calls = TaskSpec(task_id="calls", family="cmd", prompt="# add one\ndef f(x):\n", tests=(CallTest(args="[1]", expected="2"),),
+                     execution_steps=(OverwriteFile(path="/app/solution.py", content=COMPLETION), CheckCalls(entry_point="f")),
+                     reference_solution=GOOD)
+    for v in verify_many([(calls, GOOD), (PYTEST, GOOD)], LIMITS):
+        assert not v.env_error and not v.passed and v.metrics["tests_passed"] == 0
+        assert penalised_flags(v.metrics["security_flags"]) == ["unparseable_result"]
+        assert v.feedback["exit_code"] == 0 and v.feedback["failed_tests"] == []
