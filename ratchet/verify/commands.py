@@ -19,7 +19,9 @@ Two kinds:
   options are dropped (the terminal output is parsed instead; a runtime without the plugin would
   fail on them, a failure that is not the model's).
 - "shell": anything else. Counts come from the declared report file, else from pytest's output
-  if the line printed one, else the exit code (passed 1 of 1 when it exits 0). A line that exits
+  if the line printed one, else, if the line does not run pytest, the exit code (passed 1 of 1 when
+  it exits 0; a line that runs pytest and printed no counts passes nothing: its exit code may be
+  the answer's own os._exit or the last program of a pipeline's). A line that exits
   non-zero although its report says every test passed failed elsewhere: that counts as one more
   failed test (tests_total + 1), so it never passes.
 

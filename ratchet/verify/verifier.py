@@ -20,8 +20,9 @@ Two kinds of task:
   `test_files` are placed after them read-only, and the command line runs under `/bin/sh -c`
   with the bin directory of `runtime_python(env)` (None: the sandbox's host python) first on
   PATH (`ratchet.verify.commands`). Counts from the declared report file, else pytest's output,
-  become tests_passed/tests_total; any other line passes (1 of 1) when it exits 0. A runtime
-  that lacks a program or pytest the line needs is an env_error, decided before the run.
+  become tests_passed/tests_total (a line that runs pytest and leaves neither passes nothing); a
+  line that does not run pytest passes (1 of 1) when it exits 0. A runtime that lacks a program or
+  pytest the line needs is an env_error, decided before the run.
 
 Feedback: each run's `Verification.feedback` keeps what a person needs to read a verdict: the
 exit code, which limit ended it, the tails of stdout and stderr (`feedback_bytes` each; the
@@ -228,7 +229,7 @@ def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
     counts (report file, else terminal output) if coherent and in agreement with its exit code (0 if
     and only if nothing failed; 5 when no test ran) and with each other; else 0 passed, flagged.
     Shell kind: the report's or pytest's counts, a non-zero exit despite a full pass counting as one
-    more failed test; without counts, 1 of 1 when the line exits 0."""
+    more failed test; without counts, 0 if the line runs pytest, else 1 of 1 when the line exits 0."""
     stdout, data = split_report(res.stdout) if p.report else (res.stdout, None)
     ran_pytest = p.kind == "pytest" or (p.command is not None and p.command.pytest)
     terminal, coherent = pytest_report(stdout, strict=p.kind == "pytest") if ran_pytest else (None, True)
@@ -237,7 +238,7 @@ def _command_passed(p: Plan, res: RunResult) -> tuple[int, int, list[str]]:
         counts, file_ok = report_counts(data, p.report.format)
         coherent = coherent and file_ok and (terminal is None or p.kind != "pytest" or terminal == counts)
     if counts is None:
-        if p.kind == "pytest" or p.report:
+        if ran_pytest or p.report:   # its exit code may be the answer's os._exit(0), or tail's in a pipeline
             return 0, 0, []
         return int(res.exit_code == 0 and not res.killed_by), 1, []
     passed, total = counts["passed"], counts["passed"] + counts["failed"] + counts["errors"]

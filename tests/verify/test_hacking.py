@@ -165,6 +165,17 @@ def cmd_task(command, task_id):
                     reference_solution=ADD_ONE)
 
 
+def test_an_answer_that_ends_pytest_early_passes_nothing():
+    """A shell line that runs pytest is scored by pytest's counts. Once, without them it fell back to the
+    line's exit code, which an answer that ends pytest at import decides (`cd /app && python -m pytest`:
+    its os._exit(0)) or which is tail's (a pipeline): every such answer passed."""
+    quit0, killed = "import os\nos._exit(0)\n", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+    cd, tail = cmd_task("cd /app && python -m pytest -q tests/", "cd"), cmd_task("python -m pytest tests/ | tail -3", "tail")
+    results = verify_many([(cd, quit0), (tail, quit0), (tail, killed), (cd, ADD_ONE), (tail, ADD_ONE)], LIMITS)
+    assert [v.passed for v in results] == [False, False, False, True, True]
+    assert [v.metrics["tests_passed"] for v in results] == [0, 0, 0, 3, 3]
+
+
 def test_completion_cannot_rewrite_the_tests():
     pyt, script = cmd_task("pytest -q tests/", "tamper_pytest"), cmd_task("python check.py", "tamper_script")
     a, b, ref = verify_many([(pyt, TAMPER), (script, TAMPER), (pyt, ADD_ONE)], LIMITS)

@@ -191,6 +191,15 @@ def test_script_passes_only_on_clean_exit():
     assert _command_passed(p, _result("", 0, killed_by="output")) == (0, 1, [])
 
 
+@pytest.mark.parametrize("line", ["cd /app && python -m pytest -q tests/", "python -m pytest tests/ | tail -3"])
+def test_a_line_that_runs_pytest_without_its_counts_passes_nothing(line):
+    """An answer that ends pytest before its summary (os._exit(0) at import) leaves no counts; the line's exit
+    code is then the answer's own or tail's: it says nothing of the tests. Scored as a lone pytest is: 0."""
+    p = Plan(Payload(program=("/bin/sh",)), "shell", command=parse_command(line))
+    assert _command_passed(p, _result("", 0)) == (0, 0, [])
+    assert _command_passed(p, _result("PASSED tests/t.py::a\n1 passed in 0.1s\n", 0)) == (1, 1, [])
+
+
 def test_metrics_fit_the_trajectory_schema(runs):
     fields = set(METRICS.to_schema())
     assert all(set(v.metrics) == fields for v in runs.values())
