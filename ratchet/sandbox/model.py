@@ -62,7 +62,7 @@ class Payload:
     env: Mapping[str, str] = field(default_factory=dict)
     """Environment variables set for the run on top of the minimal one (PATH, HOME, TMPDIR, LANG)."""
     files: Mapping[str, str | bytes] = field(default_factory=dict)
-    """Written into the workdir first: relative paths, subdirectories allowed."""
+    """Written into the workdir first: relative paths, subdirectories allowed; text as UTF-8 (surrogatepass)."""
     readonly_files: Mapping[str, str | bytes] = field(default_factory=dict)
     """Written after `files` and not writable (nor removable) by the payload: hidden tests."""
     stdin: bytes = b""
@@ -101,7 +101,9 @@ class Payload:
 
 
 def _b(c: str | bytes) -> bytes:
-    return c.encode() if isinstance(c, str) else bytes(c)
+    # surrogatepass: a lone surrogate (an answer's text may hold one) has no UTF-8, and strict encoding raised in
+    # the slot, an infra error; as these bytes the run reads it as it came (Python refuses it in a string literal)
+    return c.encode("utf-8", "surrogatepass") if isinstance(c, str) else bytes(c)
 
 
 def check_relpath(name: str) -> str:

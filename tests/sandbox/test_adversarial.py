@@ -45,6 +45,16 @@ def test_stdin_files_and_exit_code(sb):
     assert r.exit_code == 3 and not r.ok and "seeded from-stdin" in r.stdout
 
 
+def test_file_text_that_is_not_unicode_is_the_payloads_to_read(sb):
+    """A lone surrogate (an answer's text may hold one) cannot be UTF-8: encoding it raised in the slot, an
+    infra_error, retried, the slot restarted, the item an env_error. Its file now holds it as surrogatepass
+    bytes, which the payload reads as they are and Python refuses in a string: the payload's failure at worst."""
+    r = run(sb, "print(open('a.txt', 'rb').read(), open('t.txt', 'rb').read())\nimport solution",
+            files={"a.txt": "x\ud800", "solution.py": "x = '\udfff'\n"}, readonly_files={"t.txt": "\ud83d!"})
+    assert r.infra_error is None and r.exit_code == 1, r
+    assert r.stdout == "b'x\\xed\\xa0\\x80' b'\\xed\\xa0\\xbd!'\n" and "SyntaxError" in r.stderr, r
+
+
 def test_payload_rejects_escaping_paths():
     for bad in ("/etc/passwd", "../x", "a/../../x", ""):
         with pytest.raises(ValueError):

@@ -95,12 +95,12 @@ def test_an_answer_that_crashes_a_parser_fails_alone():
     assert not any(v.env_error for v in results)
 
 
-def test_answers_that_crashed_the_result_readers_fail_alone():
+def test_answers_that_broke_the_verifier_fail_alone():
     """Four more answers that once raised out of verify_many, each now a plain wrong answer (not even the
     backstop's unparseable_result): an int beyond any float against a float under a tolerance; a result line
     numbered "²" (a digit to str.isdigit, not to int); a pytest summary of 5,000 digits; result lines nested
     just shallow enough for the harness parser's check and too deep one frame further in (a sweep of depths,
-    as the stack depth here decides which)."""
+    as the stack depth here decides which). And one that was an env_error: a lone surrogate in the answer."""
     halves = calls_task(tests=tuple(CallTest(args=json.dumps([x]), expected=json.dumps(x / 2)) for x in (1, 3)),
                         metadata={"float_tolerance": 1e-6}, task_id="half")
     huge = "def f(x):\n    return 10 ** 400\n"
@@ -114,10 +114,14 @@ def test_answers_that_crashed_the_result_readers_fail_alone():
               f"    for i, d in enumerate({depths!r}):\n"
               "        os.write(1, ('@@ratchet-harness@@\\t%d\\t' % i + '[' * d + ']' * d + '\\n').encode())\n"
               "    os._exit(0)\n")
+    surrogate = ADD_ONE + "# \ud800\n"
     items = [(calls_task(), ADD_ONE), (halves, huge), (calls_task(), superscript),
-             (cmd_task("pytest -q tests/", "summary"), summary), (nested_task, nested)]
+             (cmd_task("pytest -q tests/", "summary"), summary), (nested_task, nested),
+             (calls_task(), surrogate), (cmd_task("pytest -q tests/", "surrogate"), surrogate)]
     results = verify_many(items, Limits(wall_s=60, cpu_s=30, memory_mb=1024, output_bytes=1 << 21))
-    assert [v.metrics["tests_passed"] for v in results] == [6, 0, 0, 0, 0]
+    # the surrogate, in a comment: the harness compiles the answer's text, which has no UTF-8 (fails); pytest
+    # imports the file, whose surrogatepass bytes Python lets pass in a comment
+    assert [v.metrics["tests_passed"] for v in results] == [6, 0, 0, 0, 0, 0, 3]
     assert not any(v.env_error or "unparseable_result" in v.metrics["security_flags"] for v in results)
 
 
