@@ -25,6 +25,11 @@ What the model reads when it fails (the episode's observation): a call that rais
 answer that does not load prints its traceback from its own frames down, with its source lines
 (registered with linecache: the answer is compiled from a string), not the harness's.
 
+The program ends with SystemExit(0), which the sandbox's boot turns into its `finish` (as for any
+run): a process the answer left behind is noted (`daemon_left`), then os._exit, so no atexit hook or
+finalizer of the answer runs after the last line (stdout and stderr are the harness's own again, so
+no stream the answer put there is flushed either).
+
 What this does not stop: the completion runs in the same process first, so it can read the
 harness's marker and print forged result lines. Forging only helps if it already knows the
 expected values (which the verifier keeps outside), and the parser takes the last line per
@@ -78,7 +83,8 @@ def _mk(_type=type, _int=int, _float=float, _str=str, _bool=bool, _list=list, _t
         raise TypeError("not plain data: " + t.__name__)
     return enc
 _enc = _mk()
-_w, _loads, _lit, _exit, _flush_o, _flush_e, _text = _o.write, _j.loads, _a.literal_eval, _o._exit, _s.stdout.flush, _s.stderr.flush, str
+_w, _loads, _lit, _stop, _flush_o, _flush_e, _text = _o.write, _j.loads, _a.literal_eval, SystemExit, _s.stdout.flush, _s.stderr.flush, str
+_streams = (_s.stdout, _s.stderr)
 _M = MARK_
 def _out(line):
     try:
@@ -143,7 +149,8 @@ for _i, _raw in enumerate(_ARGS):
             pass
     _out(_line)
 _out(_M + "\tEND\t%d" % len(_ARGS))
-_exit(0)
+_s.stdout, _s.stderr = _streams
+raise _stop(0)
 '''
 
 

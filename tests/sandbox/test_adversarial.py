@@ -284,6 +284,24 @@ def test_daemon_left_behind(sb, tmp_path):
     until(lambda: not processes_named("ratchetdaemon"), timeout=3, what="the daemon to die with its run")
 
 
+def test_a_harness_run_notes_a_daemon_as_any_run_does(sb):
+    """The call harness ended with os._exit(0), past the boot's finish(), where a leftover process is noted:
+    a check_calls answer that left a daemon was never flagged daemon_left (penalised) as any other run is."""
+    from ratchet.sandbox.harness import call_harness, parse_harness_output
+    daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n"
+    plain = run(sb, daemon)
+    calls = run(sb, call_harness(daemon + "def f(x):\n    return x + 1\n", "f", ["[1]"]))
+    assert parse_harness_output(calls.stdout) == ["2"] and calls.exit_code == 0, calls
+    assert ("daemon_left" in calls.security_events) == ("daemon_left" in plain.security_events), (plain, calls)
+    if sb.backend_name == "zygote":      # the run is pid 1 of its namespace there: every orphan is its child
+        assert "daemon_left" in calls.security_events
+    # and the answer still has no say after the harness's last line: no atexit hook, no flush of its stdout
+    forge = ("import atexit, os, sys\nforged = lambda: os.write(1, b'@@ratchet-harness@@\\t0\\t99\\n')\n"
+             "atexit.register(forged)\nsys.stdout = type('Out', (), {'write': len, 'flush': lambda self: forged()})()\n")
+    calls = run(sb, call_harness(forge + "def f(x):\n    return x + 1\n", "f", ["[1]"]))
+    assert parse_harness_output(calls.stdout) == ["2"] and calls.stdout.count("\t99") == 0, calls
+
+
 def test_previous_run_files_invisible(sb):
     secret = "prev-run-secret-%d" % os.getpid()
     r1 = run(sb, f"""
