@@ -23,7 +23,8 @@ escape, cheat the verifier, or starve the worker.
 Covered (zygote and bwrap backends):
 - Filesystem: fresh mount namespace per run; a minimal root (pivot_root; /usr, the
   interpreter prefixes, a tiny /etc and /dev) mounted read-only; the only writable place is a
-  fresh tmpfs /tmp (workdir /tmp/work, capped at 4x fsize) that dies with the run. Host
+  fresh tmpfs /tmp with the workdir /tmp/work (zygote: one tmpfs, capped at 4x fsize; bwrap: an
+  unsized tmpfs, the workdir a host temp directory bound in) that dies with the run. Host
   secrets, the project tree, other runs' files are not in the tree at all. Read-only payload
   files are 0444 in sticky 1777 dirs, both owned by a uid that is not the payload's (root on
   zygote; the slot uid on bwrap, whose payload is root outside its namespace), and on bwrap
@@ -63,6 +64,10 @@ Not covered (know this before pointing it at anything that matters):
   hook runs in a `program`: its security_events come from the cgroup counters only.
 - The `subprocess` fallback has NO namespaces: host filesystem (as an unprivileged uid) and
   network are visible. Only for development hosts without root or user namespaces.
+- Disk: only the zygote caps what a run writes in all (its tmpfs, 4x fsize). On bwrap and
+  subprocess each file is capped at fsize, not their number: within its wall time a run may fill
+  the host's temp dir (their workdir is there) or, on bwrap, its /tmp, a tmpfs of the kernel's
+  default size (half the RAM). bubblewrap >= 0.9 could size that tmpfs (`--size`); unused here.
 - bwrap runs as root here, so its payload uid maps to root outside the user namespace:
   RLIMIT_NPROC cannot bind it (the pids cgroup does); its cpu_ms comes from cpuacct.
 - Security events from the audit hook can be forged or suppressed by the payload.

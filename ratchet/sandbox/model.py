@@ -30,7 +30,9 @@ class Limits:
     max_procs: int = 32
     """Processes/threads the run may have at once (pids cgroup, else a per-slot uid + RLIMIT_NPROC)."""
     fsize_mb: int = 16
-    """Largest file the run may write (RLIMIT_FSIZE); the writable tmpfs holds 4x this."""
+    """Largest file the run may write (RLIMIT_FSIZE). Only the zygote backend caps a run's total as well: its
+    writable tmpfs holds 4x this. On bwrap the workdir is a directory in the host's temp dir and /tmp an
+    unsized tmpfs, on subprocess the workdir is in the host's temp dir: each file is capped, not their sum."""
     nofile: int = 64
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     output_bytes: int = 65536

@@ -1,5 +1,6 @@
 """The adversarial suite: each case is something a model's code might do; each must be
 contained, reported in the structured result, and bounded in time."""
+import errno
 import os
 import signal
 import socket
@@ -150,22 +151,34 @@ def test_output_flood(sb):
     assert len(r.stdout) <= LIMITS.output_bytes
 
 
-def test_disk_fill(sb):
-    r = run(sb, """
-        import os
+def fill(sb, mb_per_file: int):
+    """Write files of `mb_per_file` MB until a write fails: (MB written, errno)."""
+    r = run(sb, f"""
         total, n = 0, 0
         try:
             while True:
-                with open(f"fill{n}.bin", "wb") as f:
-                    for _ in range(8):
+                with open(f"fill{{n}}.bin", "wb") as f:
+                    for _ in range({mb_per_file}):
                         f.write(b"\\0" * (1 << 20)); total += 1 << 20
                 n += 1
         except OSError as e:
             print("stopped", total >> 20, e.errno)
     """)
-    assert "stopped" in r.stdout, r
-    mb = int(r.stdout.split()[1])
-    assert mb <= 4 * LIMITS.fsize_mb + 8 or r.killed_by   # a file is capped at fsize, the tmpfs at 4x
+    assert r.stdout.startswith("stopped") and not r.killed_by, r
+    return int(r.stdout.split()[1]), int(r.stdout.split()[2])
+
+
+def test_disk_fill_a_file_is_capped_at_fsize(sb):
+    assert fill(sb, 2 * LIMITS.fsize_mb) == (LIMITS.fsize_mb, errno.EFBIG)
+
+
+def test_disk_fill_the_zygote_caps_the_total(sb):
+    """Files each within fsize: the zygote's tmpfs (the run's only writable place) holds 4x fsize. bwrap and
+    subprocess have no total cap (documented at Limits.fsize_mb): there this would fill the host's disk."""
+    if sb.backend_name != "zygote":
+        pytest.skip(f"{sb.backend_name} caps each file only (Limits.fsize_mb)")
+    mb, err = fill(sb, LIMITS.fsize_mb - 1)
+    assert err == errno.ENOSPC and 3 * LIMITS.fsize_mb <= mb <= 4 * LIMITS.fsize_mb
 
 
 CHECKOUT_FILE = str(Path(__file__).resolve().parents[2] / "pyproject.toml")   # this checkout, wherever it is

@@ -93,7 +93,8 @@ class BwrapBackend:
             "memory": "RLIMIT_AS" + (" + memory cgroup v1 (per slot)" if "memory" in cg else ""),
             "pids": "pids cgroup v1 (per slot; +64 slack for stale pid-namespace charges)" if "pids" in cg else "NONE (no writable pids cgroup; "
                     "RLIMIT_NPROC does not bind a root-mapped uid)",
-            "fsize": "RLIMIT_FSIZE", "nofile": "RLIMIT_NOFILE", "output": "capped pipes",
+            "fsize": "RLIMIT_FSIZE (each file; no total: the workdir is a host temp dir, /tmp an unsized tmpfs)",
+            "nofile": "RLIMIT_NOFILE", "output": "capped pipes",
         }
 
     def new_slot(self) -> BwrapSlot:
