@@ -30,6 +30,7 @@ from envs.spec import TaskSpec
 from ratchet.audit import task_mutants
 from ratchet.config import AgentConfig, NightlyConfig, VerifyConfig
 from ratchet.data.schemas import trajectories_frame
+from ratchet.model import text_ids
 from ratchet.rollout.engine import naming_tasks
 from ratchet.rollout.episodes import Episode, Turn, generate_episodes
 from ratchet.rollout.torch_engine import TorchEngine
@@ -104,11 +105,11 @@ def episode_frame(run_id: str, step: int, version: int, specs: Sequence[TaskSpec
 
 
 def fit_observation(body: str, again: str, tokenizer, budget: int) -> str:
-    """body + again in at most `budget` tokens (`tokenizer(text, add_special_tokens=False)`, as the
-    engine encodes an observation): the feedback `body` is cut at the end (marked with CUT), the
-    re-prompt `again` kept whole, even when it alone is over the budget."""
+    """body + again in at most `budget` tokens (`text_ids`, as the engine encodes an observation): the
+    feedback `body` is cut at the end (marked with CUT), the re-prompt `again` kept whole, even when it
+    alone is over the budget."""
     def fits(text: str) -> bool:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= budget
+        return len(text_ids(tokenizer, text)) <= budget
 
     if fits(body + again):
         return body + again

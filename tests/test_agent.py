@@ -14,7 +14,7 @@ from ratchet.agent import (CUT, EpisodeResult, _wanted, demos_from, episode_metr
                            wrong_attempts)
 from ratchet.config import AgentConfig, ModelConfig, NightlyConfig, VerifyConfig
 from ratchet.eval import evaluate
-from ratchet.model import build_model, build_tokenizer
+from ratchet.model import build_model, build_tokenizer, text_ids
 from ratchet.rollout.episodes import Episode, Turn
 from ratchet.rollout.torch_engine import TorchEngine
 from ratchet.train.sft import demo_sequence
@@ -155,6 +155,14 @@ def test_observation_cut_keeps_the_reprompt_whole(engine):
     assert n(fit_observation(body, again, tok, 41)) >= n(cut)                # the budget is used, not wasted
     assert fit_observation("short\n", again, tok, 40) == "short\n" + again
     assert fit_observation(body, again, tok, 3) == again                     # over budget alone: still whole
+
+
+def test_observation_budget_counts_tokens_as_the_engine_encodes_them(engine):
+    """"<eos>" that an answer printed is five tokens of text to the engine (text_ids), not one special
+    token: counted as one, an observation of them ran far past its budget."""
+    tok = engine.tokenizer
+    cut = fit_observation("got <eos>\n" * 40, "Revise your answer.\n", tok, BUDGET)
+    assert len(text_ids(tok, cut)) <= BUDGET and cut.endswith(CUT + "Revise your answer.\n")
 
 
 def _turn(n_action: int, n_obs: int, text: str) -> Turn:

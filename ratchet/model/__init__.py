@@ -12,6 +12,7 @@ Any other local Hugging Face causal LM loads through the Auto classes:
     context_length(model)                               # max_position_embeddings (or the like), None if unknown
     model_header(path)                                  # config + generation config, no weights: for the above
     encode_prompts(tokenizer, prompts, chat=True)       # token ids, through the chat template as a user turn
+    text_ids(tokenizer, observation)                    # token ids of text: "<eos>" in it is not that token
     prompt_room(cfg.model, max_new_tokens)(prompts)     # per prompt: why it leaves no room to answer (None: fits)
     save_policy(model, tokenizer, path)                 # safetensors + config + generation config + tokenizer
 
@@ -232,6 +233,13 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool = False) -> list[li
     if bos is None:
         return [list(x) for x in ids]
     return [list(x) if x[:1] == [bos] else [bos, *x] for x in ids]
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """The tokens of `text` as text: a special token's string in it ("<eos>", "<|im_end|>" that an answer
+    printed into an observation) is its characters, never that token. Text with no such string (every
+    ordinary observation): `tokenizer(text, add_special_tokens=False)`, id for id."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 @dataclass(frozen=True)

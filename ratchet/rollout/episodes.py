@@ -27,8 +27,9 @@ columns they missed are zeros at attention 0, as a row that sat the steps out ha
 `python -m bench.rollout --episodes` (16 prompts x 8, 3 turns, 48-token observations, one thread):
 1.11-1.24x the tokens/s of concatenation in place alone, 1.53-1.55x with parking; the same tokens.
 
-Observation tokens: `tokenizer(obs, add_special_tokens=False)`; with `engine.chat_template` the
-observation is a user turn of the model's chat template (`observation_ids`). Log-probs, greedy,
+Observation tokens: `tokenizer(obs, add_special_tokens=False)`, except that a special token's string
+in it ("<eos>" an answer printed) is text, not that token (`text_ids`); with `engine.chat_template`
+the observation is a user turn of the model's chat template (`observation_ids`). Log-probs, greedy,
 seed and stop strings follow ratchet/rollout/engine.py, per turn: a 1-turn episode is what
 `generate` samples. With `branch` b > 1, the n episodes of a prompt come in b-tuples that share their
 first answer: it is sampled once, by the first of them (`Episode.shared_first` False), and copied,
@@ -47,6 +48,7 @@ from typing import Callable, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ratchet.model import text_ids
 from ratchet.rollout.engine import check_room, first_stop
 from ratchet.rollout.torch_engine import TorchEngine, _StopScanner, sample
 
@@ -279,6 +281,7 @@ class _Parked:
 
 
 _ANSWER = "\ue000answer\ue000"   # a private-use sentinel standing for the answer in a rendered template
+_MESSAGE = "\ue000message\ue000"  # and for an observation
 
 
 def chat_extension(tokenizer, prompt: str, observation: str) -> tuple[str, str]:
@@ -299,19 +302,30 @@ def chat_extension(tokenizer, prompt: str, observation: str) -> tuple[str, str]:
 def observation_ids(engine: TorchEngine, prompt: str, turn: Turn, observation: str) -> list[int]:
     """The tokens that append `observation` after `turn`'s answer, as the model sees them.
 
-    Plain: `tokenizer(observation, add_special_tokens=False)`. With `engine.chat_template`: the
-    template's close of the assistant turn (less the EOS the model already emitted, when the close
-    starts with it), then what rendering the conversation with the new user message and the
-    generation prompt adds to rendering it without."""
+    Plain: `text_ids(tokenizer, observation)`. With `engine.chat_template`: the template's close of
+    the assistant turn (less the EOS the model already emitted, when the close starts with it), then
+    what rendering the conversation with the new user message and the generation prompt adds to
+    rendering it without; the template's special tokens are tokens, the observation is text."""
     tok = engine.tokenizer
     if not engine.chat_template:
-        return list(tok(observation, add_special_tokens=False)["input_ids"])
+        return text_ids(tok, observation)
     without, with_user = chat_extension(tok, prompt, observation)
     close = without[without.rindex(_ANSWER) + len(_ANSWER):]                      # e.g. "<|im_end|>\n"
     if turn.action_ids and turn.action_ids[-1] in engine.eos_ids:
         emitted = tok.decode(turn.action_ids[-1:], skip_special_tokens=False)
         close = close[len(emitted):] if emitted and close.startswith(emitted) else close
-    return list(tok(close + with_user[len(without):], add_special_tokens=False)["input_ids"])
+    added = close + with_user[len(without):]
+
+    def encode(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+    if text_ids(tok, observation) == encode(observation):
+        return encode(added)     # no special token's string in it (every ordinary observation): as rendered
+    # The template's parts around the message, found with a stand-in for it, are encoded as ever; the message as text.
+    head, found, tail = chat_extension(tok, prompt, _MESSAGE)[1][len(without):].partition(_MESSAGE)
+    head = close + head
+    if not found or len(added) < len(head) + len(tail) or not (added.startswith(head) and added.endswith(tail)):
+        return encode(added)     # a template that does not render the message in one piece: as rendered
+    return encode(head) + text_ids(tok, added[len(head):len(added) - len(tail)]) + encode(tail)
 
 
 Respond = Callable[[int, list[tuple[int, Turn]]], Sequence[str | None]]

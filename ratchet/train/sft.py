@@ -41,6 +41,7 @@ def demo_sequence(tokenizer, demo: Demo, where: str = "demo") -> tuple[list[int]
         raise ValueError(f"{where}: expected (prompt, completion) or (prompt, [(answer, trainable), (observation, "
                          f"False), ..., (answer, trainable)]): an odd number of segments, answers and observations "
                          f"alternating; got {len(segments)} segment(s)")
+    from ratchet.model import text_ids
     ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
     mask = [0] * len(ids)
     for k, seg in enumerate(segments):
@@ -52,7 +53,10 @@ def demo_sequence(tokenizer, demo: Demo, where: str = "demo") -> tuple[list[int]
         if not answer and trainable:
             raise ValueError(f"{where}: segment {k} is an observation (segments alternate answer, observation, "
                              f"answer, ...) and cannot be trainable: the model reads it, it does not write it")
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if answer else [])
+        if answer:
+            tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        else:   # as an episode encodes an observation: "<eos>" an answer printed into it is text, not that token
+            tokens = text_ids(tokenizer, text)
         ids += tokens
         mask += [int(trainable)] * len(tokens)
     if not any(mask):

@@ -47,6 +47,15 @@ def test_a_revision_demo_has_the_episode_layout_and_trains_on_the_fix_only():
     assert ids[head + len(toks(WRONG))] == eos
 
 
+def test_a_demos_observation_is_text_as_an_episodes_is():
+    """An observation holding "<eos>" (an answer printed it) is text in an episode (ratchet.model.text_ids), so
+    in a revision demo too: not an end of sequence the warm start trains past and no episode ever shows."""
+    tok = tiny.tokenizer()
+    observation = f"got {tok.eos_token}\n" + OBSERVATION
+    ids, _ = demo_sequence(tok, (PROMPT, [(WRONG, False), (observation, False), (FIX, True)]))
+    assert ids.count(tok.eos_token_id) == 2                        # the wrong attempt's and the fix's
+
+
 @pytest.mark.parametrize("segments, message", [
     ([(WRONG, False), (OBSERVATION, False)], "an odd number of segments"),
     ([(WRONG, False), (OBSERVATION, True), (FIX, True)], "segment 1 is an observation"),
