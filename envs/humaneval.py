@@ -275,7 +275,7 @@ def record_in_parallel(lines: list[str]) -> None:
     for raw in lines:
         try:
             obj = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict) and all(isinstance(obj.get(k), str) for k in HUMANEVAL_FIELDS):
             problems.append(obj)

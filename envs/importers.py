@@ -189,13 +189,19 @@ def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", f
                 raise LineError(("(json)", f"malformed JSON: {e.msg} at column {e.colno}")) from None
             except RecursionError:   # one line nested thousands deep once stopped the whole import
                 raise LineError(("(json)", "JSON nested deeper than the parser goes")) from None
+            except ValueError as e:  # a number over Python's 4,300 digits; the rest of its text is advice to programmers
+                raise LineError(("(json)", f"unreadable JSON: {str(e).split(';')[0]}")) from None
             if not isinstance(obj, dict):
                 raise LineError(("(line)", f"expected a JSON object, got {type(obj).__name__}"))
             spec = convert(obj, split=split, **kw)
+            spec.model_dump_json()   # what the store writes: a spec it cannot save is this line's problem
             if spec.task_id in first_seen:
                 raise LineError(("task_id", f"duplicate task_id {spec.task_id!r} (first on line {first_seen[spec.task_id]})"))
         except LineError as e:
             out.bad.append(BadLine(n, e.errors, raw.rstrip("\n"), source))
+            continue
+        except (ValueError, RecursionError) as e:   # any other failure of one line is that line's, not the import's
+            out.bad.append(BadLine(n, (("(line)", f"{type(e).__name__}: {e}"),), raw.rstrip("\n"), source))
             continue
         first_seen[spec.task_id] = n
         out.specs.append(spec)

@@ -202,7 +202,10 @@ class CallTest(_Spec):
     @field_validator("args", "expected")
     @classmethod
     def _is_json(cls, v: str) -> str:
-        json.loads(v)
+        try:
+            json.loads(v)
+        except RecursionError:    # pydantic lets it through: one such line once stopped the whole import
+            raise ValueError("JSON nested deeper than the parser goes") from None
         return v
 
 
@@ -245,16 +248,31 @@ def tolerance_of(metadata: dict) -> float | None:
 METADATA_DEPTH = 64   # pydantic stops serialising near 255 levels; the store saves each spec as JSON
 
 
+def utf8(text: str) -> bool:
+    """`text` can be written as UTF-8: a JSON escape of a lone surrogate ("\\ud800") reads as a str
+    that cannot, and the store would fail on it (or, in a key, save something else)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def storable(metadata: dict) -> dict:
-    """`metadata` nests no deeper than METADATA_DEPTH levels (dicts and lists): deeper, the spec
-    would pass validation and fail where it is saved, naming no task."""
+    """`metadata` is what the store saves as it is: nested no deeper than METADATA_DEPTH levels
+    (dicts and lists), its text UTF-8 (`utf8`). Otherwise the spec would pass validation and fail
+    where it is saved, naming no task."""
     todo = [((), metadata)]
     while todo:
         loc, value = todo.pop()
+        if isinstance(value, str) and not utf8(value):
+            raise SpecError((loc, f"is not UTF-8 text (a lone surrogate): {value[:40]!r}"))
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
         for key, inner in items:
             if len(loc) + 1 > METADATA_DEPTH:
                 raise SpecError((loc[:3], f"nests deeper than {METADATA_DEPTH} levels (dicts and lists)"))
+            if isinstance(key, str) and not utf8(key):    # named by its parent: the key cannot be printed
+                raise SpecError((loc, f"has a key that is not UTF-8 text (a lone surrogate): {key[:40]!r}"))
             todo.append(((*loc, key), inner))
     return metadata
 

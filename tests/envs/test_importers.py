@@ -395,3 +395,35 @@ def test_metadata_nested_past_what_the_store_saves_is_a_bad_line():
     res.specs[0].model_dump_json()       # what is kept, saves
     assert [m for b in res.bad for m in b.messages()] == [
         "m.jsonl:1: field 'metadata.x.a.a': nests deeper than 64 levels (dicts and lists)"]
+
+
+def test_a_line_the_reader_or_the_store_cannot_take_is_quarantined_not_the_import():
+    """Found by review: a number of 5,000 digits (Python's int digit limit: ValueError), a test's expected
+    value nested 100,000 deep (a RecursionError pydantic lets through), a HumanEval line nested past the
+    parser, and a lone surrogate in metadata (imported, then the save failed) each stopped the whole
+    import, or the save, naming no line. A spec that cannot be saved (a file's name in its derived prompt)
+    is a bad line too."""
+    he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
+          "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}
+    deep = "[" * 100_000 + "]" * 100_000
+    res = parse_lines(lines(GOOD, '{"task_id": "big", "difficulty": ' + "1" * 5000 + "}",
+                            GOOD | {"task_id": "deep", "tests": [{"args": "[1]", "expected": deep}]},
+                            GOOD | {"task_id": "sur", "metadata": {"note": ["caf\udce9"]}},
+                            GOOD | {"task_id": "key", "metadata": {"\ud800": 1}},
+                            {k: v for k, v in GOOD.items() if k != "prompt"} | {"task_id": "file", "files": {"a\ud800.py": "x"}},
+                            GOOD | {"task_id": "t2"}), source="b.jsonl")
+    assert [s.task_id for s in res.specs] == ["t1", "t2"]
+    assert [(b.line, b.field) for b in res.bad] == [(2, "(json)"), (3, "tests.0.expected"), (4, "metadata.note.0"),
+                                                     (5, "metadata"), (6, "(line)")]
+    msgs = [b.message() for b in res.bad]
+    assert msgs[0] == ("b.jsonl:2: field '(json)': unreadable JSON: Exceeds the limit (4300 digits) for integer "
+                       "string conversion: value has 5000 digits")
+    assert "JSON nested deeper than the parser goes" in msgs[1]
+    assert msgs[2] == "b.jsonl:4: field 'metadata.note.0': is not UTF-8 text (a lone surrogate): 'caf\\udce9'"
+    assert msgs[3] == "b.jsonl:5: field 'metadata': has a key that is not UTF-8 text (a lone surrogate): '\\ud800'"
+    assert msgs[4].startswith("b.jsonl:6: field '(line)': PydanticSerializationError")
+    for s in res.specs:
+        s.model_dump_json()       # what is kept, saves
+    he_res = parse_lines(lines(he, "[" * 100_000), fmt="humaneval", source="h.jsonl")
+    assert [s.task_id for s in he_res.specs] == ["H/1"]
+    assert [m for b in he_res.bad for m in b.messages()] == ["h.jsonl:2: field '(json)': JSON nested deeper than the parser goes"]
