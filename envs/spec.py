@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Sequence, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 COMPLETION = "<model_generated_code>"
 
@@ -201,11 +201,13 @@ class CallTest(_Spec):
 
     @field_validator("args", "expected")
     @classmethod
-    def _is_json(cls, v: str) -> str:
+    def _is_json(cls, v: str, info: ValidationInfo) -> str:
         try:
-            json.loads(v)
+            value = json.loads(v)
         except RecursionError:    # pydantic lets it through: one such line once stopped the whole import
             raise ValueError("JSON nested deeper than the parser goes") from None
+        if info.field_name == "args" and not isinstance(value, list):   # the harness calls f(*args)
+            raise ValueError('must be a JSON array of the positional arguments (f(5): "[5]")')
         return v
 
 
@@ -299,6 +301,15 @@ def visible_tests_of(metadata: dict) -> tuple[CallTest, ...]:
     return tuple(out)
 
 
+def trivial_answers_of(metadata: dict) -> list[str] | None:
+    """`metadata["trivial_answers"]`, completions the audit requires to fail (None: not given, the audit's own)."""
+    raw = metadata.get("trivial_answers")
+    if "trivial_answers" in metadata and not (isinstance(raw, (list, tuple)) and all(isinstance(a, str) for a in raw)):
+        raise SpecError((("trivial_answers",), f"must be a list of strings (answers that must fail), "
+                                               f"got {json.dumps(raw, default=str)[:60]}"))
+    return raw
+
+
 class TaskSpec(_Spec):
     task_id: str = Field(min_length=1, max_length=256)
     family: str = Field(min_length=1, description="A store folder's name: letters, digits and '._-'.")
@@ -315,7 +326,8 @@ class TaskSpec(_Spec):
     reference_solution: str | None = Field(
         None, min_length=1, description="A completion that passes every test; None: the spec has no reference.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Free, except what the verifier reads: "
-                                     "float_tolerance (a number in [0, 1)), visible_tests (a list of CallTests).")
+                                     "float_tolerance (a number in [0, 1)), visible_tests (a list of CallTests), "
+                                     "trivial_answers (a list of strings).")
 
     # The verifier's own rules (ratchet.verify reads these through the same functions), held here
     # so that a task it cannot run is a bad line at import, not an env_error or an aborted audit.
@@ -352,7 +364,7 @@ class TaskSpec(_Spec):
     @classmethod
     def _verifiable_metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
         errors = []
-        for rule in (storable, tolerance_of, visible_tests_of):
+        for rule in (storable, tolerance_of, visible_tests_of, trivial_answers_of):
             try:
                 rule(v)
             except SpecError as e:

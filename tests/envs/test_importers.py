@@ -427,3 +427,26 @@ def test_a_line_the_reader_or_the_store_cannot_take_is_quarantined_not_the_impor
     he_res = parse_lines(lines(he, "[" * 100_000), fmt="humaneval", source="h.jsonl")
     assert [s.task_id for s in he_res.specs] == ["H/1"]
     assert [m for b in he_res.bad for m in b.messages()] == ["h.jsonl:2: field '(json)': JSON nested deeper than the parser goes"]
+
+
+def test_args_that_are_not_an_array_and_malformed_trivial_answers_are_bad_lines():
+    """Found by review: `"args": "5"` (or '"abc"') and `metadata.trivial_answers` of [1], null or "pass"
+    imported cleanly, then crashed the whole audit (f(*5); replace() of an int; list(None)) or were read
+    letter by letter."""
+    array = "must be a JSON array of the positional arguments (f(5): \"[5]\")"
+    res = parse_lines(lines(
+        GOOD | {"tests": [{"args": "5", "expected": "6"}, {"args": "[1]", "expected": "2"}]},
+        GOOD | {"task_id": "s", "tests": [{"args": '"abc"', "expected": '"ABC"'}]},
+        GOOD | {"task_id": "v", "metadata": {"visible_tests": [{"args": "0", "expected": "1"}]}},
+        *(GOOD | {"task_id": f"ta{i}", "metadata": {"trivial_answers": ta}} for i, ta in enumerate(([1], None, "pass"))),
+        GOOD | {"task_id": "ok", "metadata": {"trivial_answers": ["", "    return 0\n"]}},
+    ), source="a.jsonl")
+    assert [m for b in res.bad for m in b.messages()] == [
+        f"a.jsonl:1: field 'tests.0.args': Value error, {array} (got \"5\")",
+        f"a.jsonl:2: field 'tests.0.args': Value error, {array} (got \"\\\"abc\\\"\")",
+        f"a.jsonl:3: field 'metadata.visible_tests.0.args': Value error, {array} (got '0')",
+        "a.jsonl:4: field 'metadata.trivial_answers': must be a list of strings (answers that must fail), got [1]",
+        "a.jsonl:5: field 'metadata.trivial_answers': must be a list of strings (answers that must fail), got null",
+        "a.jsonl:6: field 'metadata.trivial_answers': must be a list of strings (answers that must fail), got \"pass\""]
+    [v] = audit(res.specs, AuditConfig(max_mutants=2, max_reference_ms=60_000), VerifyConfig(concurrency=2))
+    assert (v.task_id, v.verdict) == ("ok", "pass"), v
