@@ -340,6 +340,14 @@ class TaskSpec(_Spec):
             raise SpecError(((), f"must be a whole number 1 to 5, got {json.dumps(v, default=str)[:60]}"))
         return int(v) if isinstance(v, float) and v.is_integer() else v
 
+    @field_validator("prompt")
+    @classmethod
+    def _asks_something(cls, v: str) -> str:
+        """Not blank: the task gate (`prompt_not_empty`) would refuse it and stop the run that trains on it."""
+        if not v.strip():
+            raise SpecError(((), "is blank (whitespace only): the model would be asked nothing"))
+        return v
+
     @field_validator("family")
     @classmethod
     def _family_is_a_folder(cls, v: str) -> str:

@@ -450,3 +450,14 @@ def test_args_that_are_not_an_array_and_malformed_trivial_answers_are_bad_lines(
         "a.jsonl:6: field 'metadata.trivial_answers': must be a list of strings (answers that must fail), got \"pass\""]
     [v] = audit(res.specs, AuditConfig(max_mutants=2, max_reference_ms=60_000), VerifyConfig(concurrency=2))
     assert (v.task_id, v.verdict) == ("ok", "pass"), v
+
+
+def test_a_blank_prompt_is_a_bad_line():
+    """Found by review: a whitespace-only prompt passed import and audit, then the task gate's
+    prompt_not_empty failed and stopped the whole run."""
+    res = parse_lines(lines(GOOD | {"prompt": "   \n"}, {k: v for k, v in GOOD.items() if k != "prompt"} | {"task_id": "t2", "instructions": "\t"},
+                            GOOD | {"task_id": "ok", "prompt": " f \n"}), source="p.jsonl")
+    assert [s.task_id for s in res.specs] == ["ok"]
+    why = "is blank (whitespace only): the model would be asked nothing"
+    assert [m for b in res.bad for m in b.messages()] == [f"p.jsonl:1: field 'prompt': {why}",
+                                                         f"p.jsonl:2: field 'instructions': {why}"]
