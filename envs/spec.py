@@ -321,7 +321,7 @@ class TaskSpec(_Spec):
     execution_steps: tuple[Step, ...] = Field(min_length=1, description="Exactly one check_calls or run_command among them.")
     reward_logic: RewardLogic = Field(default_factory=RewardLogic)
     files: dict[str, str] = Field(default_factory=dict, description="Starting snapshot of the workdir.")
-    tests: tuple[CallTest, ...] = Field((), description="Hidden call tests (for check_calls).")
+    tests: tuple[CallTest, ...] = Field((), validate_default=True, description="Hidden call tests (for check_calls).")
     test_files: dict[str, str] = Field(default_factory=dict, description="Hidden test files, placed after the completion, read-only.")
     reference_solution: str | None = Field(
         None, min_length=1, description="A completion that passes every test; None: the spec has no reference.")
@@ -360,6 +360,17 @@ class TaskSpec(_Spec):
     def _one_judge(cls, v: tuple[Step, ...]) -> tuple[Step, ...]:
         judge_step(v)
         answer_lands(v)
+        return v
+
+    @field_validator("tests")
+    @classmethod
+    def _a_check_calls_task_is_scored(cls, v: tuple[CallTest, ...], info: ValidationInfo) -> tuple[CallTest, ...]:
+        """Its hidden tests are its score (tests_total; visible examples are not counted): with none, no
+        answer passes, the reference included."""
+        steps = info.data.get("execution_steps")     # absent when that field is bad: its own error says why
+        if not v and steps is not None and isinstance(judge_step(steps), CheckCalls):
+            raise SpecError(((), "a check_calls task needs at least one test (metadata.visible_tests are shown, "
+                                 "not scored)"))
         return v
 
     @field_validator("reward_logic")

@@ -6,7 +6,7 @@ from typing import Any
 
 import polars as pl
 
-from envs.spec import CheckCalls, TaskSpec
+from envs.spec import CallTest, CheckCalls, TaskSpec
 from ratchet.data import tasks_frame, trajectories_frame
 
 
@@ -40,7 +40,7 @@ def clean_wave(**kw) -> pl.DataFrame:
 def spec(i: int, **kw: Any) -> TaskSpec:
     fields = dict(task_id=f"python_functions/{i}", family="python_functions", difficulty=1 + i % 3,
                   prompt=f"Write a function f{i}(x) that returns x + {i}.",
-                  execution_steps=(CheckCalls(entry_point=f"f{i}"),),
+                  execution_steps=(CheckCalls(entry_point=f"f{i}"),), tests=(CallTest(args="[1]", expected=str(1 + i)),),
                   reference_solution=f"def f{i}(x):\n    return x + {i}\n")
     fields.update(kw)
     return TaskSpec(**fields)

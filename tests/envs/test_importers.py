@@ -231,6 +231,7 @@ def test_reward_logic_the_scorer_refuses_is_a_bad_line_at_import():
         logic("no_threshold", ok, {"metric": "execution_time_ms", "weight": 1}),
         logic("extra_threshold", {"metric": "test_pass_rate", "weight": 1, "threshold": 5}),
         '{"task_id": "inf", "prompt": "p", "execution_steps": [{"action": "check_calls", "entry_point": "f"}], '
+        '"tests": [{"args": "[1]", "expected": "2"}], '
         '"reward_logic": {"rules": [{"metric": "execution_time_ms", "weight": Infinity, "threshold": NaN}]}}',
         logic("ok", ok, {"metric": "execution_time_ms", "weight": 0.5, "threshold": 5000}),
     ), source="t.jsonl")
@@ -461,3 +462,17 @@ def test_a_blank_prompt_is_a_bad_line():
     why = "is blank (whitespace only): the model would be asked nothing"
     assert [m for b in res.bad for m in b.messages()] == [f"p.jsonl:1: field 'prompt': {why}",
                                                          f"p.jsonl:2: field 'instructions': {why}"]
+
+
+def test_a_check_calls_task_without_tests_is_a_bad_line():
+    """Found by review: a check_calls task with no tests and no reference passed the audit and could never
+    be solved (tests_total 0: test_pass_rate 0 for every answer); visible examples are not scored."""
+    no_ref = {k: v for k, v in GOOD.items() if k not in ("tests", "reference_solution")}
+    res = parse_lines(lines(no_ref, GOOD | {"task_id": "t2", "tests": []},
+                            no_ref | {"task_id": "t3", "metadata": {"visible_tests": [{"args": "[1]", "expected": "2"}]}},
+                            no_ref | {"task_id": "cmd", "execution_steps": [GOOD["execution_steps"][0],
+                                                                            {"action": "run_command", "command": "pytest"}]}),
+                      source="n.jsonl")
+    assert [s.task_id for s in res.specs] == ["cmd"]      # a run_command task is scored by its command
+    why = "a check_calls task needs at least one test (metadata.visible_tests are shown, not scored)"
+    assert [m for b in res.bad for m in b.messages()] == [f"n.jsonl:{n}: field 'tests': {why}" for n in (1, 2, 3)]

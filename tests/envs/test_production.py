@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from envs.production import CleanConfig, _Cleaner, contaminated, produce, shingles
-from envs.spec import CheckCalls, TaskSpec
+from envs.spec import CallTest, CheckCalls, TaskSpec
 from ratchet.config import EnvsConfig
 
 SMALL = EnvsConfig(n_train=60, n_heldout=12, max_difficulty=3)
@@ -11,7 +11,7 @@ SMALL = EnvsConfig(n_train=60, n_heldout=12, max_difficulty=3)
 
 def spec(prompt: str, tid: str = "t") -> TaskSpec:
     return TaskSpec(task_id=tid, family="x", prompt=prompt, execution_steps=(CheckCalls(entry_point="f"),),
-                    reference_solution="pass")
+                    tests=(CallTest(args="[1]", expected="2"),), reference_solution="pass")
 
 
 def test_produce_is_deterministic_with_lineage():

@@ -213,7 +213,8 @@ def test_the_curriculum_of_an_imported_set_picks_easy_tasks_first():
     from ratchet.rollout.wave import pick_tasks
 
     steps = ({"action": "check_calls", "entry_point": "f"},)
-    tasks = [TaskSpec(task_id=f"t{d}-{i}", family="imported-x", difficulty=d, prompt="p", execution_steps=steps)
+    tasks = [TaskSpec(task_id=f"t{d}-{i}", family="imported-x", difficulty=d, prompt="p", execution_steps=steps,
+                      tests=[{"args": "[1]", "expected": "2"}])
              for d in (1, 2, 3) for i in range(20)]
     first = [t.difficulty for s in range(5) for t in pick_tasks(tasks, 10, 0, 10, curriculum_for("imported-x"), s)]
     last = [t.difficulty for s in range(5) for t in pick_tasks(tasks, 10, 9, 10, curriculum_for("imported-x"), s)]
