@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal, Sequence, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from ratchet.sandbox.model import check_relpath
+
 COMPLETION = "<model_generated_code>"
 
 
@@ -48,6 +50,28 @@ def key_part(name: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and ".." not in name
 
 
+def workdir_path(path: str) -> str:
+    """A spec path ("/app/main.py") as a path in the sandbox's workdir ("main.py")."""
+    return path.removeprefix("/app/").lstrip("/")
+
+
+def workdir_files(files: dict[str, str]) -> dict[str, str]:
+    """A spec's `files` or `test_files` as the sandbox's workdir holds them (`workdir_path` of each name)."""
+    return {workdir_path(name): content for name, content in files.items()}
+
+
+def in_workdir(path: str) -> str:
+    """`path` as the verifier places it (`workdir_path`), or SpecError: the sandbox refuses a path that
+    names no file or leaves the workdir (`check_relpath`), which the audit would report as an env_error."""
+    where = workdir_path(path)
+    try:
+        check_relpath(where)
+    except ValueError:
+        raise SpecError(((), f"{path!r} is not a file in the workdir: give a relative path or /app/<path>, "
+                             "with no '..' out of it")) from None
+    return where
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -61,6 +85,12 @@ class OverwriteFile(_Spec):
     action: Literal["overwrite_file"] = "overwrite_file"
     path: str = Field(description="File in the task's workdir (absolute /app/... or relative).")
     content: str = Field(description=f"New content; {COMPLETION} is replaced by the completion.")
+
+    @field_validator("path")
+    @classmethod
+    def _in_workdir(cls, v: str) -> str:
+        in_workdir(v)
+        return v
 
 
 class Report(_Spec):
@@ -353,6 +383,28 @@ class TaskSpec(_Spec):
     def _family_is_a_folder(cls, v: str) -> str:
         if not key_part(v):
             raise SpecError(((), f"{v!r} cannot name a store folder: letters, digits and '._-' only"))
+        return v
+
+    @field_validator("files", "test_files")
+    @classmethod
+    def _files_in_workdir(cls, v: dict[str, str]) -> dict[str, str]:
+        """Each name is a file the verifier can place (`workdir_files`: /app/x is x, as step paths are); one
+        the sandbox would refuse is this field's error, not an env_error in the audit."""
+        seen, errors = set(), []
+        for name in v:
+            if not utf8(name):     # named in the message: the name cannot be printed as a field path
+                errors.append(((), f"has a file name that is not UTF-8 text (a lone surrogate): {name[:40]!r}"))
+                continue
+            try:
+                where = in_workdir(name)
+            except SpecError as e:
+                errors += [((name,), why) for _, why in e.errors]
+                continue
+            if where in seen:
+                errors.append(((name,), f"names the same file ({where!r}) as an earlier name"))
+            seen.add(where)
+        if errors:
+            raise SpecError(*errors)
         return v
 
     @field_validator("execution_steps")

@@ -46,7 +46,7 @@ from typing import Callable
 from envs.mutation import mutants as make_mutants
 from envs.registry import get_family
 from envs.snapshot import Verdict
-from envs.spec import COMPLETION, CheckCalls, TaskSpec
+from envs.spec import COMPLETION, CheckCalls, TaskSpec, workdir_files
 from ratchet.config import AuditConfig, VerifyConfig
 from ratchet.sandbox import Limits, Payload, RunResult, run_many
 from ratchet.scale import executor_for
@@ -123,7 +123,7 @@ def _probe_payload(group: list[tuple[TaskSpec, list[str]]], alarms: list[float] 
     files = solution_files(spec, spec.reference_solution) if len(group) == 1 else {}
     program = _PROBE.replace("SRCS_", repr(srcs))
     return Payload(code=call_harness(program, "__ratchet_probe", args), files=files,
-                   readonly_files=dict(spec.test_files) if len(group) == 1 else {})
+                   readonly_files=workdir_files(spec.test_files) if len(group) == 1 else {})
 
 
 def _probe_results(group: list[tuple[TaskSpec, list[str]]], res: RunResult) -> list[list[bool]] | None:

@@ -51,7 +51,7 @@ from typing import Callable
 from envs.runtime import resolve
 from envs.source import parse_python
 from envs.spec import (COMPLETION, NEVER_RAN, CallTest, CheckCalls, EnvironmentConfig, OverwriteFile, Report, RunCommand,
-                        TaskSpec, for_task, judge_step, module_step, tolerance_of)
+                        TaskSpec, for_task, judge_step, module_step, tolerance_of, workdir_files, workdir_path)
 from ratchet.verify.commands import (PYTEST_EXTRA, Command, parse_command, pytest_report, report_counts,
                                      runtime_problem, shell_program, split_report)
 from ratchet.verify.guards import SPECIAL_CASED, is_empty, special_cased, visible_tests
@@ -148,14 +148,9 @@ def _close(a, b, tol: float) -> bool:
     return type(a) is type(b) and a == b
 
 
-def workdir_path(path: str) -> str:
-    """A spec path ("/app/main.py") as a path in the sandbox's workdir ("main.py")."""
-    return path.removeprefix("/app/").lstrip("/")
-
-
 def solution_files(spec: TaskSpec, completion: str) -> dict[str, str]:
     """The workdir of one run: the snapshot's files, then every overwrite_file step with `completion`."""
-    files = dict(spec.files)
+    files = workdir_files(spec.files)
     for step in spec.with_completion(completion):
         if isinstance(step, OverwriteFile):
             files[workdir_path(step.path)] = step.content
@@ -175,7 +170,7 @@ def _one_step(spec: TaskSpec) -> CheckCalls | RunCommand:
 
 def plan(spec: TaskSpec, completion: str, runtime_python: RuntimePython | None = None) -> Plan:
     """The sandbox run for a spec's execution steps with `completion` substituted."""
-    files, tests_ro = solution_files(spec, completion), dict(spec.test_files)
+    files, tests_ro = solution_files(spec, completion), workdir_files(spec.test_files)
     step = _one_step(spec)
     if isinstance(step, CheckCalls):
         visible = visible_tests(spec)

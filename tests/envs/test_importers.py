@@ -398,12 +398,11 @@ def test_metadata_nested_past_what_the_store_saves_is_a_bad_line():
         "m.jsonl:1: field 'metadata.x.a.a': nests deeper than 64 levels (dicts and lists)"]
 
 
-def test_a_line_the_reader_or_the_store_cannot_take_is_quarantined_not_the_import():
+def test_a_line_the_reader_or_the_store_cannot_take_is_quarantined_not_the_import(monkeypatch):
     """Found by review: a number of 5,000 digits (Python's int digit limit: ValueError), a test's expected
     value nested 100,000 deep (a RecursionError pydantic lets through), a HumanEval line nested past the
     parser, and a lone surrogate in metadata (imported, then the save failed) each stopped the whole
-    import, or the save, naming no line. A spec that cannot be saved (a file's name in its derived prompt)
-    is a bad line too."""
+    import, or the save, naming no line. A spec that cannot be saved is a bad line too."""
     he = {"task_id": "H/1", "prompt": "def g(a):\n", "canonical_solution": "    return a\n",
           "test": "def check(c):\n    assert c(2) == 2\n", "entry_point": "g"}
     deep = "[" * 100_000 + "]" * 100_000
@@ -415,16 +414,22 @@ def test_a_line_the_reader_or_the_store_cannot_take_is_quarantined_not_the_impor
                             GOOD | {"task_id": "t2"}), source="b.jsonl")
     assert [s.task_id for s in res.specs] == ["t1", "t2"]
     assert [(b.line, b.field) for b in res.bad] == [(2, "(json)"), (3, "tests.0.expected"), (4, "metadata.note.0"),
-                                                     (5, "metadata"), (6, "(line)")]
+                                                     (5, "metadata"), (6, "files")]
     msgs = [b.message() for b in res.bad]
     assert msgs[0] == ("b.jsonl:2: field '(json)': unreadable JSON: Exceeds the limit (4300 digits) for integer "
                        "string conversion: value has 5000 digits")
     assert "JSON nested deeper than the parser goes" in msgs[1]
     assert msgs[2] == "b.jsonl:4: field 'metadata.note.0': is not UTF-8 text (a lone surrogate): 'caf\\udce9'"
     assert msgs[3] == "b.jsonl:5: field 'metadata': has a key that is not UTF-8 text (a lone surrogate): '\\ud800'"
-    assert msgs[4].startswith("b.jsonl:6: field '(line)': PydanticSerializationError")
+    assert msgs[4] == "b.jsonl:6: field 'files': has a file name that is not UTF-8 text (a lone surrogate): 'a\\ud800.py'"
     for s in res.specs:
         s.model_dump_json()       # what is kept, saves
+    import envs.importers as importers      # whatever else slips past validation: parse_lines saves each spec once
+
+    convert = importers.from_taskspec
+    monkeypatch.setattr(importers, "from_taskspec", lambda obj, **kw: convert(obj, **kw).model_copy(update={"prompt": "\ud800"}))
+    [unsaved] = parse_lines(lines(GOOD), source="u.jsonl").bad
+    assert unsaved.message().startswith("u.jsonl:1: field '(line)': PydanticSerializationError: Error serializing to JSON")
     he_res = parse_lines(lines(he, "[" * 100_000), fmt="humaneval", source="h.jsonl")
     assert [s.task_id for s in he_res.specs] == ["H/1"]
     assert [m for b in he_res.bad for m in b.messages()] == ["h.jsonl:2: field '(json)': JSON nested deeper than the parser goes"]
@@ -476,3 +481,27 @@ def test_a_check_calls_task_without_tests_is_a_bad_line():
     assert [s.task_id for s in res.specs] == ["cmd"]      # a run_command task is scored by its command
     why = "a check_calls task needs at least one test (metadata.visible_tests are shown, not scored)"
     assert [m for b in res.bad for m in b.messages()] == [f"n.jsonl:{n}: field 'tests': {why}" for n in (1, 2, 3)]
+
+
+def test_file_names_and_paths_the_sandbox_refuses_are_bad_lines_and_app_is_the_workdir():
+    """Found by review: `test_files` {"/app/tests/test_a.py": ...}, `files` {"../evil.py": ...} and an
+    overwrite_file path "/app/" imported cleanly and each failed in the audit as an env_error (the sandbox
+    takes relative names inside the workdir). Names are read as step paths are: /app/x is x (the audit
+    passes the first line)."""
+    cmd = {"task_id": "c1", "prompt": "Write main.py", "reference_solution": "def f(x):\n    return x + 1\n",
+           "execution_steps": [{"action": "overwrite_file", "path": "/app/main.py", "content": "<model_generated_code>"},
+                               {"action": "run_command", "command": "pytest -q tests/"}],
+           "test_files": {"/app/tests/test_a.py": "from main import f\ndef test_a():\n    assert f(1) == 2\n"}}
+    res = parse_lines(lines(cmd, cmd | {"task_id": "c2", "files": {"../evil.py": "x = 1\n", "/app/../x.py": ""}},
+                            cmd | {"task_id": "c3", "execution_steps": [cmd["execution_steps"][0] | {"path": "/app/"},
+                                                                        cmd["execution_steps"][1]]},
+                            cmd | {"task_id": "c4", "test_files": {"/app/t.py": "", "t.py": ""}}), source="p.jsonl")
+    assert [s.task_id for s in res.specs] == ["c1"]
+    why = "is not a file in the workdir: give a relative path or /app/<path>, with no '..' out of it"
+    assert [m for b in res.bad for m in b.messages()] == [
+        f"p.jsonl:2: field 'files.../evil.py': '../evil.py' {why}",
+        f"p.jsonl:2: field 'files./app/../x.py': '/app/../x.py' {why}",
+        f"p.jsonl:3: field 'execution_steps.0.path': '/app/' {why}",
+        "p.jsonl:4: field 'test_files.t.py': names the same file ('t.py') as an earlier name"]
+    [v] = audit(res.specs, AuditConfig(max_mutants=2, max_reference_ms=60_000), VerifyConfig(concurrency=2))
+    assert v.verdict == "pass", v
