@@ -11,7 +11,8 @@ has a default:
 - prompt: the line's `prompt`, or its `instructions`; else `default_prompt`: "Write
   /app/main.py so that `pytest /app/tests/ --json-report` passes." then the starting files;
 - reference_solution: None (no reference) unless the line gives one;
-- files: {} (no starting files); family: "imported" (or the caller's); difficulty: 1;
+- files: {} (no starting files); family: "imported" (or the caller's; a line's own may not be a
+  generated family's name); difficulty: 1;
 - split: the line's, else the caller's, else `default_split(task_id)` (1 in 10 held out,
   by a hash of the task_id: stable across runs and file orders).
 
@@ -43,6 +44,7 @@ from typing import Iterable
 
 from pydantic import ValidationError
 
+from envs.registry import all_family_names
 from envs.spec import COMPLETION, CheckCalls, OverwriteFile, RunCommand, SpecError, TaskSpec
 
 FORMATS = ("taskspec", "humaneval")
@@ -152,6 +154,8 @@ def from_taskspec(obj: dict, family: str = "imported", split: str | None = None)
             errors.append(("instructions", "give `prompt` or `instructions`, not both"))
         else:
             obj["prompt"], prompt_key = instructions, "instructions"
+    if obj.get("family") in all_family_names():   # its trivial answers, curriculum and re-prompt would be this task's
+        errors.append(("family", f"{obj['family']!r} is the name of a generated family; name your task set's own"))
     derive = "prompt" not in obj
     if derive:
         obj["prompt"] = "(derived once the steps and files are valid)"

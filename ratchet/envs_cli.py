@@ -60,6 +60,7 @@ def import_command(
     from envs.humaneval import humaneval_path
     from envs.importers import FORMATS, parse_lines, write_quarantine
     from envs.production import Production
+    from envs.registry import all_family_names
     from envs.snapshot import save_production
     from envs.sources import parquet_lines, source_suffix
     from envs.spec import key_part
@@ -79,6 +80,8 @@ def import_command(
     for name, value in (("--family", family), ("--version", version)):
         if value is not None and not key_part(value):     # a line's own family: the schema's same rule
             fail(f"{value!r} cannot name a store folder: letters, digits and '._-' only", name)
+    if family in all_family_names():                      # and the importer's for a line's own
+        fail(f"{family!r} is the name of a generated family; name your task set's own", "--family")
     sfx = source_suffix(file.name)     # mytasks.jsonl (.jsonl.gz, .parquet) -> mytasks.quarantine.jsonl
     qpath = quarantine or file.with_name((file.name[: -len(sfx)] if sfx else file.name) + ".quarantine.jsonl")
     if qpath.resolve() == file.resolve():

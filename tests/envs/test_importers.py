@@ -505,3 +505,21 @@ def test_file_names_and_paths_the_sandbox_refuses_are_bad_lines_and_app_is_the_w
         "p.jsonl:4: field 'test_files.t.py': names the same file ('t.py') as an earlier name"]
     [v] = audit(res.specs, AuditConfig(max_mutants=2, max_reference_ms=60_000), VerifyConfig(concurrency=2))
     assert v.verdict == "pass", v
+
+
+def test_a_generated_familys_name_is_refused_on_imported_lines(tmp_path):
+    """Found by review: a line with "family": "bugfix" imported as family bugfix, and the multi-turn
+    observation then used bugfix's re-prompt on it (KeyError 'target'); the audit its trivial answers."""
+    from envs.episode import observation_parts
+
+    res = parse_lines(lines(GOOD | {"family": "bugfix"}, GOOD | {"task_id": "t2", "family": "arithmetic"},
+                            GOOD | {"task_id": "t3", "family": "mine"}), source="g.jsonl")
+    assert [(s.task_id, s.family) for s in res.specs] == [("t3", "mine")]
+    assert [m for b in res.bad for m in b.messages()] == [
+        f"g.jsonl:{n}: field 'family': '{f}' is the name of a generated family; name your task set's own"
+        for n, f in ((1, "bugfix"), (2, "arithmetic"))]
+    assert observation_parts(res.specs[0], {"failed_tests": []}, {"tests_passed": 0, "tests_total": 2})
+    tasks = tmp_path / "g.jsonl"
+    tasks.write_text("\n".join(lines(GOOD)) + "\n")
+    out = CliRunner().invoke(app, ["import", str(tasks), "--store", str(tmp_path / "store"), "--family", "bugfix"])
+    assert out.exit_code == 2 and out.stderr.startswith("error: 'bugfix' is the name of a generated family"), out.output

@@ -40,11 +40,11 @@ def test_names_ids_family_and_metadata():
     assert source_name("/data/My Tasks.jsonl.gz") == "imported-My-Tasks"
     assert source_name("s3://b/p/imports/set.v2.parquet") == "imported-set.v2"
     imp = import_source("/x/mine.jsonl", jsonl(task("a", "def f(x): add one", split="train"),
-                                               task("b", "def f(x): add two", split="train", family="arithmetic")),
+                                               task("b", "def f(x): add two", split="train", family="handmade")),
                         EnvsConfig())
     a, b = imp.production.train
     assert (a.task_id, a.family, a.metadata["source"]) == ("imported-mine/a", "imported-mine", "imported-mine")
-    assert (b.task_id, b.family, b.metadata["source"]) == ("imported-mine/b", "arithmetic", "imported-mine")
+    assert (b.task_id, b.family, b.metadata["source"]) == ("imported-mine/b", "handmade", "imported-mine")
     assert a.version == imp.production.version == imp.production.lineage["version"]
 
 
