@@ -7,7 +7,8 @@
 
 `import` keeps every good line (a snapshot per family in the store, as production writes
 them), prints every error of each bad line, one line each (file:line: field 'x': why), and
-writes the bad lines with all their errors to a quarantine file (tasks.jsonl -> tasks.quarantine.jsonl); `--audit` then audits the snapshot in the sandbox
+writes the bad lines with all their errors to a quarantine file (tasks.jsonl -> tasks.quarantine.jsonl; an
+import with no bad line removes an earlier one); `--audit` then audits the snapshot in the sandbox
 (`ratchet.audit`, with the AuditConfig and VerifyConfig defaults). Defaults of the options
 come from `ratchet.config`. No Prefect is imported here.
 
@@ -103,6 +104,12 @@ def import_command(
         except OSError as e:
             fail(f"cannot write the quarantine file: {e.strerror or e}", qpath)
         _err(f"{len(result.bad)} bad line(s) quarantined in {qpath}")
+    elif qpath.is_file():     # an earlier import's: left there, it would report lines this file no longer has
+        try:
+            qpath.unlink()
+        except OSError as e:
+            fail(f"cannot remove the stale quarantine file: {e.strerror or e}", qpath)
+        _err(f"no bad lines: removed the earlier quarantine file {qpath}")
     if not result.specs:
         fail("no good task line to import", file)
     for problem in check_store(store):

@@ -523,3 +523,16 @@ def test_a_generated_familys_name_is_refused_on_imported_lines(tmp_path):
     tasks.write_text("\n".join(lines(GOOD)) + "\n")
     out = CliRunner().invoke(app, ["import", str(tasks), "--store", str(tmp_path / "store"), "--family", "bugfix"])
     assert out.exit_code == 2 and out.stderr.startswith("error: 'bugfix' is the name of a generated family"), out.output
+
+
+def test_a_clean_reimport_removes_the_stale_quarantine_file(tmp_path):
+    """Found by review: after the bad lines were fixed, a clean re-import left the old
+    tasks.quarantine.jsonl in place, still reporting lines the file no longer has."""
+    tasks, store, q = tmp_path / "m.jsonl", tmp_path / "store", tmp_path / "m.quarantine.jsonl"
+    tasks.write_text("\n".join(lines(GOOD, GOOD | {"task_id": "t2", "difficulty": 9})) + "\n")
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+    assert res.exit_code == 2 and len(q.read_text().splitlines()) == 1, res.output
+    tasks.write_text("\n".join(lines(GOOD, GOOD | {"task_id": "t2", "difficulty": 2})) + "\n")
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+    assert res.exit_code == 0 and not q.exists(), res.output
+    assert f"no bad lines: removed the earlier quarantine file {q}" in res.stderr
