@@ -20,6 +20,7 @@ binary or undecodable file, a directory, no good line at all, an unusable --stor
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import time
 from collections import defaultdict
@@ -51,19 +52,20 @@ def import_command(
     family: Optional[str] = typer.Option(None, help="Family of tasks that name none (default: 'imported', or 'humaneval')."),
     split: Optional[str] = typer.Option(None, help="train | heldout for tasks that name none (humaneval: heldout)."),
     store: str = typer.Option(StoreConfig().uri, help=describe(StoreConfig, "uri")),
-    version: str = typer.Option(EnvsConfig().version, help="Snapshot version prefix; a hash of the file and of --format, --family and --split is appended."),
+    version: str = typer.Option(EnvsConfig().version, help="Snapshot version prefix; a hash of the file, of --format, --family and --split, and of the importer's code is appended."),
     quarantine: Optional[Path] = typer.Option(None, help="Where bad lines go (default: beside FILE, mytasks.jsonl -> "
                                                          "mytasks.quarantine.jsonl)."),
     audit: bool = typer.Option(False, "--audit", help="Audit the imported tasks in the sandbox."),
     max_mutants: int = typer.Option(AuditConfig().max_mutants, help=describe(AuditConfig, "max_mutants")),
 ) -> None:
     """Import a task file; good lines become a snapshot, bad lines are quarantined with the reason."""
+    import envs.humaneval as humaneval_module
     from envs.humaneval import humaneval_path
     from envs.importers import FORMATS, parse_lines, write_quarantine
     from envs.production import Production
     from envs.registry import all_family_names
     from envs.snapshot import save_production
-    from envs.sources import parquet_lines, source_suffix
+    from envs.sources import _code_hash, parquet_lines, source_suffix
     from envs.spec import key_part
     from ratchet.preflight import check_store
     from ratchet.store import open_store
@@ -115,8 +117,11 @@ def import_command(
     for problem in check_store(store):
         fail(problem, "--store")
     digest = hashlib.sha256(raw).hexdigest()
-    options = json.dumps({"format": format, "family": family, "split": split}, sort_keys=True).encode()
-    tag = hashlib.sha256(raw + options).hexdigest()[:10]   # another --split or --family: another snapshot
+    code = {"code": _code_hash()}     # the importer's code, as `ratchet run --tasks` versions a source
+    if format == "humaneval":
+        code["humaneval"] = hashlib.sha256(inspect.getsource(humaneval_module).encode()).hexdigest()
+    options = json.dumps({"format": format, "family": family, "split": split, **code}, sort_keys=True).encode()
+    tag = hashlib.sha256(raw + options).hexdigest()[:10]   # another --split, --family or importer: another snapshot
     st = open_store(store)
     by_family = defaultdict(list)
     for spec in result.specs:

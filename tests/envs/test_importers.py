@@ -536,3 +536,22 @@ def test_a_clean_reimport_removes_the_stale_quarantine_file(tmp_path):
     res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
     assert res.exit_code == 0 and not q.exists(), res.output
     assert f"no bad lines: removed the earlier quarantine file {q}" in res.stderr
+
+
+def test_the_snapshot_version_hashes_the_importers_code(tmp_path, monkeypatch):
+    """Found by review: `ratchet envs import` hashed the file and its options only, so after an upgrade
+    that imports the same file differently the old snapshot was reused (the run path hashes the code)."""
+    import envs.sources
+
+    tasks, store = tmp_path / "v.jsonl", tmp_path / "store"
+    tasks.write_text("\n".join(lines(GOOD)) + "\n")
+
+    def version() -> str:
+        res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout.splitlines()[-1])["version"]
+
+    first = version()
+    assert version() == first              # the same file, options and code: the same snapshot
+    monkeypatch.setattr(envs.sources, "_code_hash", lambda: "another importer")
+    assert version() != first
