@@ -177,6 +177,24 @@ def _no_nulls(value):
     return value
 
 
+def prefixed_id(name: str, task_id: str) -> str:
+    """A source's task id: `<name>/<task_id>` (kept as it is when the line already has the prefix)."""
+    return task_id if task_id.startswith(f"{name}/") else f"{name}/{task_id}"
+
+
+def quarantine_long_ids(res: ImportResult, name: str, lines: list[str], source: str) -> None:
+    """Move each task whose prefixed id is longer than a task id may be from `res.specs` to `res.bad`
+    (model_copy does not validate: the schema's bound, checked here). `ratchet envs import` runs it too,
+    so that checking a file on its own reports what `ratchet run --tasks` would quarantine."""
+    fits = [len(prefixed_id(name, s.task_id)) <= MAX_ID for s in res.specs]
+    res.bad += [BadLine(n, (("task_id", f"longer than {MAX_ID - len(name) - 1} characters, the most that fits "
+                                        f"after the source's name {name!r}/"),), lines[n - 1], source)
+                for n, ok in zip(res.lines, fits) if not ok]
+    res.bad.sort(key=lambda b: b.line)
+    res.specs = [s for s, ok in zip(res.specs, fits) if ok]
+    res.lines = [n for n, ok in zip(res.lines, fits) if ok]
+
+
 def parse_source(source: str, data: bytes) -> tuple[ImportResult, int]:
     """Every task of a source as a TaskSpec (family, id prefix and metadata["source"] set), or a
     BadLine, and how many good lines declare their split; SourceError when there is no good line."""
@@ -186,13 +204,10 @@ def parse_source(source: str, data: bytes) -> tuple[ImportResult, int]:
     if not res.specs:
         first = res.bad[0].messages()[0] if res.bad else "the file has no task lines"
         raise SourceError(f"task source {source!r}: no good task line ({len(res.bad)} bad; first: {first})")
+    quarantine_long_ids(res, name, lines, source)
     specs, kept, first_seen = [], [], {}
     for spec, n in zip(res.specs, res.lines):
-        task_id = spec.task_id if spec.task_id.startswith(f"{name}/") else f"{name}/{spec.task_id}"
-        if len(task_id) > MAX_ID:        # model_copy does not validate: the schema's bound, checked here
-            res.bad.append(BadLine(n, (("task_id", f"longer than {MAX_ID - len(name) - 1} characters, the most "
-                                        f"that fits after the source's name {name!r}/"),), lines[n - 1], source))
-            continue
+        task_id = prefixed_id(name, spec.task_id)
         if task_id in first_seen:        # 'x' and '<name>/x' are distinct lines but one task once prefixed
             res.bad.append(BadLine(n, (("task_id", f"duplicate task_id {task_id!r} once prefixed with the source's "
                                         f"name (first on line {first_seen[task_id]})"),), lines[n - 1], source))

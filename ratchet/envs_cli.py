@@ -65,7 +65,7 @@ def import_command(
     from envs.production import Production
     from envs.registry import all_family_names
     from envs.snapshot import save_production
-    from envs.sources import _code_hash, parquet_lines, source_suffix
+    from envs.sources import _code_hash, parquet_lines, quarantine_long_ids, source_name, source_suffix
     from envs.spec import key_part
     from ratchet.preflight import check_store
     from ratchet.store import open_store
@@ -98,6 +98,8 @@ def import_command(
     else:
         texts = read_text(file, "task file", data=raw).split("\n")
     result = parse_lines(texts, format, str(file), family, split)
+    if format == "taskspec":      # a --tasks source's ids get its name in front: the lines that run would quarantine
+        quarantine_long_ids(result, source_name(str(file)), texts, str(file))
     for bad in result.bad:
         _err(bad.message())
     if result.bad:

@@ -555,3 +555,15 @@ def test_the_snapshot_version_hashes_the_importers_code(tmp_path, monkeypatch):
     assert version() == first              # the same file, options and code: the same snapshot
     monkeypatch.setattr(envs.sources, "_code_hash", lambda: "another importer")
     assert version() != first
+
+
+def test_envs_import_quarantines_the_ids_run_would_find_too_long(tmp_path):
+    """Found by review: a task id of 250 characters passed `ratchet envs import` (ids up to 256) while
+    `ratchet run --tasks` quarantined it (its id gets the source's name in front)."""
+    tasks, store = tmp_path / "m.jsonl", tmp_path / "store"
+    tasks.write_text("\n".join(lines(GOOD | {"task_id": "x" * 250}, GOOD | {"task_id": "y" * 245})) + "\n")
+    res = CliRunner().invoke(app, ["import", str(tasks), "--store", str(store)])
+    assert res.exit_code == 2 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
+    assert (f"{tasks}:1: field 'task_id': longer than 245 characters, the most that fits after the source's name "
+            "'imported-m'/") in res.stderr
+    assert [json.loads(x)["line"] for x in (tmp_path / "m.quarantine.jsonl").read_text().splitlines()] == [1]
