@@ -215,7 +215,11 @@ def parse_lines(lines: Iterable[str], fmt: str = "taskspec", source: str = "", f
 
 def _open_text(path: Path):
     """utf-8-sig: a BOM at the start (Windows editors write one) is not part of line 1."""
-    return gzip.open(path, "rt", encoding="utf-8-sig") if path.suffix == ".gz" else open(path, encoding="utf-8-sig")
+    return gzip.open(path, "rt", encoding="utf-8-sig") if _gz(path) else open(path, encoding="utf-8-sig")
+
+
+def _gz(path: Path) -> bool:
+    return path.suffix.lower() == ".gz"     # as envs.sources.source_suffix reads a name: X.JSONL.GZ too
 
 
 def read_tasks(path: str | Path, fmt: str = "taskspec", family: str | None = None, split: str | None = None) -> ImportResult:
@@ -225,7 +229,7 @@ def read_tasks(path: str | Path, fmt: str = "taskspec", family: str | None = Non
         try:
             return parse_lines(f, fmt, str(path), family, split)
         except UnicodeDecodeError:   # raised by the reader mid-file: name the file, line and byte
-            data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            data = gzip.decompress(path.read_bytes()) if _gz(path) else path.read_bytes()
             try:
                 data.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -66,7 +66,7 @@ def read_text(path: Path, what: str = "file", data: bytes | None = None) -> str:
     or fail naming why not. `data`: its bytes, already read."""
     path = Path(path)
     data = read_bytes(path, what) if data is None else data
-    if path.suffix == ".gz":
+    if path.suffix.lower() == ".gz":     # as source_suffix reads a name: TASKS.JSONL.GZ is gzip too
         try:
             data = gzip.decompress(data)
         except (OSError, EOFError, zlib.error) as e:

@@ -567,3 +567,15 @@ def test_envs_import_quarantines_the_ids_run_would_find_too_long(tmp_path):
     assert (f"{tasks}:1: field 'task_id': longer than 245 characters, the most that fits after the source's name "
             "'imported-m'/") in res.stderr
     assert [json.loads(x)["line"] for x in (tmp_path / "m.quarantine.jsonl").read_text().splitlines()] == [1]
+
+
+def test_an_upper_case_gz_name_is_read_as_gzip(tmp_path):
+    """Found by review: source_suffix lowercases a name (UP.JSONL.GZ is a .jsonl.gz source for `run --tasks`)
+    while `ratchet envs import` and read_tasks compared '.gz' exactly: 'task file is a binary file'."""
+    import gzip
+
+    up = tmp_path / "UP.JSONL.GZ"
+    up.write_bytes(gzip.compress(("\n".join(lines(GOOD)) + "\n").encode()))
+    res = CliRunner().invoke(app, ["import", str(up), "--store", str(tmp_path / "store")])
+    assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
+    assert [s.task_id for s in read_tasks(up).specs] == ["t1"]
