@@ -292,13 +292,16 @@ def utf8(text: str) -> bool:
 
 def storable(metadata: dict) -> dict:
     """`metadata` is what the store saves as it is: nested no deeper than METADATA_DEPTH levels
-    (dicts and lists), its text UTF-8 (`utf8`). Otherwise the spec would pass validation and fail
-    where it is saved, naming no task."""
+    (dicts and lists), its text UTF-8 (`utf8`), its numbers finite (JSON has no NaN or Infinity:
+    the store would save null). Otherwise the spec would pass validation and fail, or change, where
+    it is saved, naming no task."""
     todo = [((), metadata)]
     while todo:
         loc, value = todo.pop()
         if isinstance(value, str) and not utf8(value):
             raise SpecError((loc, f"is not UTF-8 text (a lone surrogate): {value[:40]!r}"))
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SpecError((loc, f"must be a finite number, got {json.dumps(value)} (saved, it would be null)"))
         items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
         for key, inner in items:
             if len(loc) + 1 > METADATA_DEPTH:

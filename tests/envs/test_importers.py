@@ -579,3 +579,13 @@ def test_an_upper_case_gz_name_is_read_as_gzip(tmp_path):
     res = CliRunner().invoke(app, ["import", str(up), "--store", str(tmp_path / "store")])
     assert res.exit_code == 0 and json.loads(res.stdout.splitlines()[-1])["tasks"] == 1, res.output
     assert [s.task_id for s in read_tasks(up).specs] == ["t1"]
+
+
+def test_a_non_finite_number_in_metadata_is_a_bad_line():
+    """Found by review: NaN and Infinity in metadata were imported and silently saved as null."""
+    res = parse_lines(['{"task_id": "n", "prompt": "p", "execution_steps": [{"action": "check_calls", "entry_point": "f"}], '
+                       '"tests": [{"args": "[1]", "expected": "2"}], "metadata": {"score": NaN, "more": [1.5, -Infinity]}}',
+                       *lines(GOOD | {"metadata": {"score": 0.5}})], source="f.jsonl")
+    assert [s.task_id for s in res.specs] == ["t1"]
+    assert [m for b in res.bad for m in b.messages()] == [
+        "f.jsonl:1: field 'metadata.more.1': must be a finite number, got -Infinity (saved, it would be null)"]
