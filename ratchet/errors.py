@@ -12,9 +12,22 @@ answers 5xx or is briefly down. Anything not known to be transient is treated as
 
 from __future__ import annotations
 
+import errno
 import functools
+import socket
+import ssl
+import urllib.error
 
-_NOT_TRANSIENT_OS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+# An OSError is transient only for an errno that says "the other side or the network, for now": a name
+# too long, a read-only or full disk, a bad argument fail the same way on every try.
+_TRANSIENT_ERRNOS = {
+    errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.EIO, errno.ESTALE, errno.ENOBUFS,
+    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.EPIPE, errno.ENOTCONN, errno.ESHUTDOWN,
+    errno.EHOSTUNREACH, errno.EHOSTDOWN, errno.ENETUNREACH, errno.ENETDOWN, errno.ENETRESET,
+    socket.EAI_AGAIN,   # a name lookup that failed for now (not EAI_NONAME: no such host)
+}
+# Raised with no errno (socket timeouts, http.client's RemoteDisconnected) or one of their own (ssl).
+_TRANSIENT_OS = (ConnectionError, TimeoutError, ssl.SSLEOFError, ssl.SSLZeroReturnError)
 _SERVER_CODES = {"InternalError", "ServiceUnavailable", "SlowDown", "RequestTimeout"}
 
 
@@ -56,8 +69,8 @@ def is_transient(exc: BaseException | None) -> bool:
         return False
     if isinstance(exc, TransientError):
         return True
-    if isinstance(exc, OSError):          # ConnectionError, TimeoutError, BrokenPipeError, ...
-        return not isinstance(exc, _NOT_TRANSIENT_OS)
+    if isinstance(exc, OSError):
+        return _transient_os(exc)
     try:
         from urllib3.exceptions import HTTPError as Urllib3Error
     except ImportError:  # pragma: no cover - urllib3 comes with minio and requests
@@ -68,3 +81,17 @@ def is_transient(exc: BaseException | None) -> bool:
     if name == "ServerError":                # the S3 server answered 5xx
         return True
     return name == "S3Error" and getattr(exc, "code", None) in _SERVER_CODES
+
+
+def _transient_os(exc: OSError) -> bool:
+    if isinstance(exc, urllib.error.HTTPError):       # an answer: by its status
+        return _server_busy(exc.code)
+    if isinstance(exc, urllib.error.URLError):        # urlopen's wrapper of the network error
+        return isinstance(exc.reason, BaseException) and is_transient(exc.reason)
+    return isinstance(exc, _TRANSIENT_OS) or exc.errno in _TRANSIENT_ERRNOS
+
+
+def _server_busy(status: int | None) -> bool:
+    """A 5xx (the server failed, or a proxy found it down) or 429 (too many requests) may clear; not 501:
+    the server does not implement the request."""
+    return status is not None and (status == 429 or (500 <= status <= 599 and status != 501))

@@ -1,4 +1,5 @@
-"""ratchet's exceptions cross process boundaries intact (`ratchet.errors.picklable`).
+"""ratchet's exceptions cross process boundaries intact (`ratchet.errors.picklable`), and which of
+them a task retries (`ratchet.errors.is_transient`).
 
 An exception whose __init__ takes other arguments than its message used to unpickle as
 `cls(message)`: a TypeError, which a ProcessPoolExecutor reports as BrokenProcessPool, hiding
@@ -7,14 +8,18 @@ the error (bench.multiturn lost a held-out evaluation's IntegrityError that way)
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
+import os
 import pickle
 import signal
+import urllib.error
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
 from ratchet.data.gates import GateError, GateReport
+from ratchet.errors import is_transient
 from ratchet.monitor import Alarm, HealthCheckFailed
 from ratchet.rollout.engine import PromptTooLong
 from ratchet.rollout.server import BadRequest
@@ -56,3 +61,35 @@ def test_a_child_process_error_reaches_the_parent_as_itself():
         with pytest.raises(IntegrityError, match="heldout_passed.parquet' in evaluate") as e:
             future.result()
     assert e.value.key == "envs/python_functions/v1/heldout_passed.parquet"
+
+
+# --- which failures are retried (is_transient) ---------------------------------------------------
+
+@pytest.mark.parametrize("exc", [
+    ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"),    # a store or server being restarted
+    ConnectionResetError(), TimeoutError("timed out"),                  # no errno: socket timeouts, http.client
+    OSError(errno.EHOSTUNREACH, "No route to host"), OSError(errno.ETIMEDOUT, "Connection timed out"),
+    BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable"), OSError(errno.EIO, "I/O error"),
+    urllib.error.URLError(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")),   # urlopen's wrapper
+], ids=repr)
+def test_an_os_error_of_the_network_is_transient(exc):
+    assert is_transient(exc)
+
+
+@pytest.mark.parametrize("code", [errno.ENAMETOOLONG, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EINVAL],
+                         ids=errno.errorcode.get)
+def test_an_os_error_that_fails_the_same_way_every_time_is_not_retried(code):
+    """Found by review: any OSError but five subclasses was retried, a read-only disk or a name too
+    long as well: the task's retries only repeated the same traceback."""
+    assert not is_transient(OSError(code, os.strerror(code)))
+    assert not is_transient(urllib.error.URLError("unknown url type: foo"))
+
+
+def test_a_key_too_long_for_the_filesystem_is_not_retried(tmp_path):
+    from ratchet.store import open_store
+
+    store = open_store(tmp_path / "store")
+    with pytest.raises(OSError) as e:
+        store.put_bytes("envs/imported-" + "x" * 250 + "/tasks.parquet", b"1")
+    assert e.value.errno == errno.ENAMETOOLONG and not is_transient(e.value)
+
