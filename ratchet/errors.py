@@ -78,9 +78,13 @@ def is_transient(exc: BaseException | None) -> bool:
     if Urllib3Error and isinstance(exc, Urllib3Error):
         return True
     name = type(exc).__name__                # minio's, without importing minio here
-    if name == "ServerError":                # the S3 server answered 5xx
+    if name == "S3Error" and getattr(exc, "code", None) in _SERVER_CODES:
         return True
-    return name == "S3Error" and getattr(exc, "code", None) in _SERVER_CODES
+    if name in ("S3Error", "ServerError", "InvalidResponseError"):
+        # by the HTTP status, not the error code: MinIO has 503 codes of its own (SlowDownWrite,
+        # XMinioServerNotInitialized while it restarts), and a proxy's 502/504 page is not S3 XML at all
+        return _server_busy(_http_status(exc))
+    return False
 
 
 def _transient_os(exc: OSError) -> bool:
@@ -89,6 +93,15 @@ def _transient_os(exc: OSError) -> bool:
     if isinstance(exc, urllib.error.URLError):        # urlopen's wrapper of the network error
         return isinstance(exc.reason, BaseException) and is_transient(exc.reason)
     return isinstance(exc, _TRANSIENT_OS) or exc.errno in _TRANSIENT_ERRNOS
+
+
+def _http_status(exc: BaseException) -> int | None:
+    response = getattr(exc, "response", None)            # S3Error
+    for status in (getattr(response, "status", None), getattr(exc, "status_code", None),   # ServerError
+                   getattr(exc, "_code", None)):          # InvalidResponseError
+        if isinstance(status, int):
+            return status
+    return None
 
 
 def _server_busy(status: int | None) -> bool:

@@ -93,3 +93,26 @@ def test_a_key_too_long_for_the_filesystem_is_not_retried(tmp_path):
         store.put_bytes("envs/imported-" + "x" * 250 + "/tasks.parquet", b"1")
     assert e.value.errno == errno.ENAMETOOLONG and not is_transient(e.value)
 
+
+def _s3_error(status: int, code: str):
+    from minio.error import S3Error
+    from urllib3 import HTTPResponse
+
+    return S3Error(HTTPResponse(status=status), code, "m", "/b/k", None, None)
+
+
+def test_a_store_that_answers_5xx_or_429_is_transient_whatever_its_error_code():
+    """Found by review: only four S3 codes were transient. MinIO's own 503s (SlowDownWrite, and
+    XMinioServerNotInitialized while it restarts) and a proxy's 502 page (InvalidResponseError: not
+    XML) failed a checkpoint's multipart upload at once, a POST urllib3 does not retry itself."""
+    from minio.error import InvalidResponseError, ServerError
+
+    for busy in (_s3_error(503, "SlowDownWrite"), _s3_error(503, "XMinioServerNotInitialized"),
+                 _s3_error(500, "XMinioBackendDown"), _s3_error(429, "TooManyRequests"),
+                 _s3_error(400, "RequestTimeout"),                    # a named code, whatever its status
+                 InvalidResponseError(502, "text/html", "<html>502 Bad Gateway</html>"),
+                 InvalidResponseError(504, "text/html", None), ServerError("server failed", 503)):
+        assert is_transient(busy), busy
+    for refused in (_s3_error(403, "AccessDenied"), _s3_error(404, "NoSuchBucket"), _s3_error(501, "NotImplemented"),
+                    InvalidResponseError(400, "text/html", "bad request"), ServerError("not modified", 304)):
+        assert not is_transient(refused), refused
