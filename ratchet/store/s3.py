@@ -56,8 +56,9 @@ def _parse_meta(headers, size: int) -> dict[str, Any] | None:
     return {"sha256": sha, "size": size, "rows": int(rows) if rows is not None else None}
 
 
-def client_from_env():
-    """A minio client configured from RATCHET_S3_* / AWS_* environment variables."""
+def client_from_env(retry_budget_s: float = 120.0):
+    """A minio client configured from RATCHET_S3_* / AWS_* environment variables, whose requests give
+    up within the store's retry budget (`_http`)."""
     from minio import Minio
 
     endpoint = os.environ.get("RATCHET_S3_ENDPOINT")
@@ -75,6 +76,27 @@ def client_from_env():
         session_token=os.environ.get("AWS_SESSION_TOKEN"),
         secure=secure,
         region=os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION") or "us-east-1",
+        http_client=_http(retry_budget_s),
+    )
+
+
+def _http(retry_budget_s: float):
+    """The connection pool of a store's client. minio's own waits 300 s per connect or read and retries
+    5 times: a server that accepts and never answers held one call for half an hour, and `_retrying`,
+    which checks the budget between calls, with it (the lease heartbeat too). Here a request gives up
+    after `timeout` of silence and urllib3 retries nothing but redirects: `_retrying` decides, within
+    the budget. The timeouts apply to each socket operation, not to a whole request: a large upload
+    that keeps moving is never cut; urllib3 sends a body under the connect timeout, so that one is
+    not just a few seconds either."""
+    import certifi
+    import urllib3
+
+    timeout = min(30.0, max(5.0, retry_budget_s))
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
+        maxsize=10,                                                        # as minio's
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),      # as minio's
+        retries=urllib3.Retry(total=None, connect=0, read=0, status=0, other=0, redirect=5),
     )
 
 
@@ -91,7 +113,7 @@ class S3Store(ArtifactStore):
             raise ValueError(f"s3 URI without a bucket: {uri!r}")
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.root_uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self.client = client or client_from_env()
+        self.client = client or client_from_env(retry_budget_s)
         self.retry_budget_s = retry_budget_s
         self._retrying("create bucket", "", self._ensure_bucket)
 

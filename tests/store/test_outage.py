@@ -5,6 +5,7 @@ its objects in this process, so a restart is an outage, not a wipe)."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -63,6 +64,33 @@ def test_an_outage_past_the_budget_is_one_clear_error(own_server):
     assert "\n" not in message and store.root_uri in message and "during put 'k'" in message
     assert "retry budget 2 s" in message and time.monotonic() - t0 < 20
     own_server.start()
+
+
+def test_a_store_that_never_answers_fails_within_its_budget(monkeypatch):
+    """Found by review: a server that accepts connections and never answers (a hung MinIO, a half-open
+    proxy) held one call for up to ~30 min (minio's pool: 300 s timeouts, 5 retries), the retry budget
+    checked only between calls. A listening socket that nobody accepts on: connections complete in the
+    kernel, requests are never answered."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        for k, v in {"RATCHET_S3_ENDPOINT": f"127.0.0.1:{silent.getsockname()[1]}", "RATCHET_S3_SECURE": "0",
+                     "AWS_ACCESS_KEY_ID": "t", "AWS_SECRET_ACCESS_KEY": "t", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        raised = []
+        opening = threading.Thread(target=lambda: raised.append(_raised(S3Store, "s3://hung/p", retry_budget_s=1)),
+                                   daemon=True)
+        opening.start()
+        opening.join(timeout=120)            # a generous bound: it gives up after about 5 s
+        assert not opening.is_alive(), "S3Store blocked past its retry budget on a server that never answers"
+    assert isinstance(raised[0], StoreUnavailable) and "during create bucket" in str(raised[0])
+    assert "Timeout" in str(raised[0])
+
+
+def _raised(fn, *args, **kw) -> BaseException | None:
+    try:
+        fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001
+        return e
+    return None
 
 
 def test_a_store_emptied_under_a_run_is_lost_not_fresh(own_server):
