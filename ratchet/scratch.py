@@ -36,13 +36,18 @@ def remove_stale_scratch(root: str | Path | None = None) -> list[str]:
     return remove_gone(root or tempfile.gettempdir(), r"ratchet-[^-]*-(\d+)-")
 
 
-def remove_gone(root: str | Path, name: str) -> list[str]:
-    """Remove the directories in `root` whose name starts as the regex `name` says, its first group the
-    pid of a process of this host that made it, where that process is gone; returns their paths."""
+def remove_gone(root: str | Path, name: str, files: bool = False) -> list[str]:
+    """Remove the directories (and with `files`, the files) in `root` whose name starts as the regex `name`
+    says, its first group the pid of a process of this host that made it, where that process is gone;
+    returns their paths. Files only on request: other files in $TMPDIR carry a pid too (an engine
+    server's log, kept to be read after a crash)."""
     removed = []
     for path in Path(root).iterdir():
         made_by = re.match(name, path.name)
-        if made_by and path.is_dir() and not alive(int(made_by.group(1))):
-            shutil.rmtree(path, ignore_errors=True)
+        if made_by and (files or path.is_dir()) and not alive(int(made_by.group(1))):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(str(path))
     return removed

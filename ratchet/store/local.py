@@ -4,6 +4,8 @@ Object `<key>` is the file `<root>/<key>`. Its metadata (sha256, size, rows) is 
 sidecar at `<root>/.ratchet/meta/<key>.json`, so listing the data tree shows only data.
 Every write goes to a temp file under `<root>/.ratchet/tmp/` and is moved into place with
 `os.replace` (atomic on one filesystem): a reader sees the old object or the new, never half.
+A temp file is named `<host>-<pid>-<random>`, so those of a writer killed mid-write are found and
+removed when the store is next opened on that host.
 The two renames (data, then sidecar) happen under an exclusive `flock`, and a reader opens
 the data and reads the sidecar under a shared one, so bytes and hash always belong together,
 across threads and processes.
@@ -14,15 +16,21 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
 from ratchet import faults
+from ratchet.scratch import remove_gone
 from ratchet.store.base import RESERVED, ArtifactStore, sha256_file
+
+log = logging.getLogger(__name__)
 
 
 class LocalStore(ArtifactStore):
@@ -35,6 +43,11 @@ class LocalStore(ArtifactStore):
         self._locks = self.root / RESERVED / "locks"
         self._tmp.mkdir(parents=True, exist_ok=True)
         self._locks.mkdir(parents=True, exist_ok=True)
+        self._host = socket.gethostname()   # in temp names: a store on a shared disk has writers elsewhere
+        gone = remove_gone(self._tmp, rf"{re.escape(self._host)}-(\d+)-", files=True)
+        if gone:
+            log.warning("store %s: removed %d temp file(s) of writes by processes that are gone", self.root_uri,
+                        len(gone))
 
     def path(self, key: str) -> Path:
         """The local file behind `key` (for tools that need a path, e.g. from_pretrained)."""
@@ -46,7 +59,7 @@ class LocalStore(ArtifactStore):
         return self._metaroot / f"{key}.json"
 
     def _tmpfile(self) -> Path:
-        return self._tmp / uuid.uuid4().hex
+        return self._tmp / f"{self._host}-{os.getpid()}-{uuid.uuid4().hex}"   # getpid now: a fork writes too
 
     def _locked(self, key: str, exclusive: bool):
         """A lock striped over 256 files by hash of the key (cheap; unrelated keys rarely wait)."""

@@ -310,3 +310,30 @@ def test_ref_without_root_resolves_against_open_stores(store):
 
 def test_s3_store_fixture(s3_store):
     assert isinstance(s3_store, S3Store) and s3_store.list() == []
+
+
+# --- local store: a writer killed mid-write ------------------------------------------------
+
+def test_temp_files_of_a_writer_killed_mid_write_are_removed_at_the_next_open(tmp_path):
+    """Found by review: a local store write SIGKILLed with its temp files written (a checkpoint's
+    weights) left `.ratchet/tmp/<uuid>` for ever; nothing removed them. A live writer's stay."""
+    import socket
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    writer = ("import sys; from ratchet.store import LocalStore\n"
+              "LocalStore(sys.argv[1]).put_bytes('runs/r/checkpoints/000004/model.safetensors', b'w' * 4096)")
+    killed = subprocess.Popen([sys.executable, "-c", writer, str(root)], cwd=Path(__file__).resolve().parents[2],
+                              env={**os.environ, "RATCHET_FAULT": "store.write:1"})   # killed, temp files written
+    assert killed.wait(timeout=120) == -9
+    tmp = root / ".ratchet" / "tmp"
+    left = sorted(tmp.iterdir())
+    assert left and all(f.name.startswith(f"{socket.gethostname()}-{killed.pid}-") for f in left)
+    store = LocalStore(root)
+    live = store._tmpfile()
+    live.write_bytes(b"a write in progress")
+    assert list(tmp.iterdir()) == [live]                 # the killed writer's went when the store was opened
+    LocalStore(root)
+    assert list(tmp.iterdir()) == [live]                 # a live process's stays
+    assert not store.exists("runs/r/checkpoints/000004/model.safetensors")
