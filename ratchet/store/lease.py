@@ -26,13 +26,19 @@ mutual exclusion algorithm", ACM TOCS 1987, which credits it to Fischer):
 
 Two contenders that both saw the lease free in (1) both write in (2); whichever wrote last
 finds its own token in (3), the other finds the winner's and backs off, provided each
-contender's step (1) -> (2) takes less than settle_s. What is NOT covered, honestly:
-- a contender that stalls between (1) and (2) for longer than settle_s (a GC pause, a slow
-  request) can overwrite a lease already won: both believe they hold it until the loser's next
-  `heartbeat()`, which finds the other token and raises LeaseLost. The overlap lasts at most
-  one heartbeat interval; `save_checkpoint(..., lease=)` renews (given the RunLease) or checks the
-  record still carries the holder's token (given the token: the flow's checkpoint task does) right
-  before moving LATEST.
+contender's step (1) -> (2) takes less than settle_s. A contender that sees, by its own clock,
+that its (1) -> (2) took longer (a slow or retried PUT, a pause) may have overwritten a lease won
+meanwhile, whose holder cannot know it before its next heartbeat: in (3) it waits 2/3 of ttl_s
+instead of settle_s, two intervals of the default heartbeat (ttl_s / 3), before it reads back. A live
+holder it overwrote beats in that time, finds the other token and stops (LeaseLost); one whose beat
+overwrote the contender's record makes it back off. What is NOT covered, honestly:
+- a write that lands later than its caller saw it complete (a request the client gave up on and
+  the server applied afterwards) or a holder that beats less often than every ttl_s / 3 can still
+  overwrite a lease already won: both believe they hold it until the loser's next `heartbeat()`,
+  which finds the other token and raises LeaseLost. The overlap lasts at most one heartbeat
+  interval (and the loser's flow stops at its next wave: it calls `check()` before each);
+  `save_checkpoint(..., lease=)` renews (given the RunLease) or checks the record still carries the
+  holder's token (given the token: the flow's checkpoint task does) right before moving LATEST.
 - a holder whose lease went stale (paused > ttl_s) may renew in the instant after a takeover
   and overwrite the new record; then the new holder's next heartbeat raises LeaseLost. Again
   exactly one survives, after at most one interval.
@@ -201,6 +207,7 @@ class RunLease:
     def acquire(self) -> RunLease:
         """Take the lease (or take over a stale one); LeaseHeld naming the holder otherwise."""
         with self._mutex:
+            started = self._clock()
             rec, now = self._read(), self._clock()
             if rec is not None and rec["token"] != self.token and not self._stale(rec, now):
                 raise LeaseHeld(self.run_id, rec, now)
@@ -209,7 +216,13 @@ class RunLease:
                             self.run_id, _who(rec), now - float(rec["heartbeat_at"]))
             self._acquired_at = now
             self._write(now)
-            self._sleep(self.settle_s)   # let a contender that read "free" too finish its write
+            if self._clock() - started <= self.settle_s:
+                self._sleep(self.settle_s)   # let a contender that read "free" too finish its write
+            else:   # we may have overwritten a lease won meanwhile: let its holder beat (module docstring)
+                log.warning("run %r: writing the lease record took %.1f s, over settle_s %g s; waiting %.0f s for "
+                            "a holder it may have overwritten to notice", self.run_id, self._clock() - started,
+                            self.settle_s, self.ttl_s * 2 / 3)
+                self._sleep(self.ttl_s * 2 / 3)
             back = self._read()
             if back is None or back["token"] != self.token:
                 self.held = False

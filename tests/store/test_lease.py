@@ -6,6 +6,7 @@ A fake clock stands in for time: `sleep` advances it, so nothing here waits for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -131,6 +132,32 @@ def test_two_contenders_that_both_saw_it_free_the_last_writer_wins(store, clock,
     assert b.held and not a.held
     b.heartbeat()
     assert store.get_json(lease_key("r1"))["token"] == b.token
+
+
+def test_a_contender_whose_write_was_slow_waits_until_a_holder_it_overwrote_stops(store, clock, monkeypatch):
+    """Found by review: A read the lease free, its PUT took 1.5 s (retried once), longer than settle_s;
+    meanwhile B took the lease. A's late write overwrote B's record and, 1 s later, A read its own back:
+    both held the lease until B's next heartbeat, and B's flow went on until its next checkpoint.
+    A now waits, before reading back, long enough for B to beat and find A's token."""
+    b = lease(store, "trainer-B", clock).acquire()
+    next_beat = [clock() + 20]                           # B beats every ttl_s / 3, as start_heartbeat does
+
+    def sleep(s: float) -> None:                         # while A waits, time passes for B too
+        end = clock() + s
+        while next_beat[0] <= end:
+            clock.t = next_beat[0]
+            with contextlib.suppress(LeaseLost):
+                b.heartbeat()
+            next_beat[0] += 20
+        clock.t = end
+
+    a = RunLease(store, "r1", owner="trainer-A", ttl_s=60, settle_s=1.0, clock=clock, sleep=sleep)
+    views, real_read, real_write = [None], a._read, a._write
+    monkeypatch.setattr(a, "_read", lambda: views.pop() if views else real_read())   # read before B wrote
+    monkeypatch.setattr(a, "_write", lambda now: (clock.advance(1.5), real_write(now)))   # a slow PUT
+    a.acquire()
+    assert a.held and not b.held                         # never both: B stopped before A went on
+    assert store.get_json(lease_key("r1"))["token"] == a.token
 
 
 def test_garbage_record_counts_as_free(store, clock, caplog):
