@@ -74,6 +74,7 @@ def nightly(cfg: NightlyConfig = NightlyConfig()) -> dict:
 
         ahead: dict = {}                               # async: waves sampling while earlier ones train
         for step in range(policy.version, cfg.steps):  # one wave per policy version
+            lease.check()       # no I/O: a takeover the heartbeat found stops the run here, not at a checkpoint
             wave, rollout_stats = sample_wave(policy, step, train, cfg, ahead)
             scored, wave_stats = score_wave(wave, train, cfg)
             gated = gate_wave(scored, train, cfg)

@@ -1,7 +1,7 @@
 """One invocation of a run id: its lease, its leftovers cleaned, its attempt recorded.
 
     with run_attempt(store, run_id, owner=flow_run_id) as lease:   # LeaseHeld: another process runs it
-        ...                                                        # lease.check() before each checkpoint
+        ...                                                        # lease.check() before each wave and checkpoint
     # attempts.json says how this attempt ended: completed, failed: <error>, interrupted: <signal>
 
 Used by `flows/nightly.py`; everything here is plain Python over the store.

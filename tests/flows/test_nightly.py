@@ -86,6 +86,40 @@ def test_rerun_with_the_same_id_resumes_without_retraining(first_run):
     assert open_store(store_uri).get_json("runs/r1/summary.json")["attempts"] == again["attempts"]
 
 
+def test_a_run_whose_lease_is_taken_over_stops_at_its_next_wave(prefect_harness, tmp_path, monkeypatch):
+    """Found by review: a run whose heartbeat found its lease taken over went on sampling and training
+    until its next checkpoint (checkpoint_every waves later), beside the new holder. The flow now
+    checks its lease (no I/O) before each wave."""
+    import time
+
+    import flows.nightly
+    from ratchet.store import LeaseLost, RunLease
+    from ratchet.store.lease import lease_key
+
+    store_uri = str(tmp_path / "store")
+    leases, start_heartbeat = [], RunLease.start_heartbeat
+    monkeypatch.setattr(RunLease, "start_heartbeat", lambda self, interval_s=None: (leases.append(self),
+                                                                                       start_heartbeat(self, 0.05)))
+    real_check_health = flows.nightly.check_health
+
+    def taken_over_after_wave_0(run_id, step, cfg):
+        if step == 0:      # another process takes the lease over; this run's heartbeat finds it
+            store = open_store(store_uri)
+            store.put_json(lease_key(run_id), {**store.get_json(lease_key(run_id)), "token": "theirs",
+                                               "owner": "another-process"})
+            deadline = time.monotonic() + 60
+            while leases[0]._error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return real_check_health(run_id, step, cfg)
+
+    monkeypatch.setattr(flows.nightly, "check_health", taken_over_after_wave_0)
+    with pytest.raises(LeaseLost, match="another-process"):
+        flows.nightly.nightly(tiny(store_uri, run_id="r-lost").model_copy(update={"steps": 4, "checkpoint_every": 10}))
+    store = open_store(store_uri)
+    assert store.exists("runs/r-lost/waves/000000/trajectories.parquet")
+    assert not store.exists("runs/r-lost/waves/000001/trajectories.parquet")      # stopped before wave 1
+
+
 # -- faults, injected into the finished run r1 (these tests run after the ones above) --
 
 def test_a_second_writer_on_the_same_run_id_is_refused(first_run):
