@@ -30,9 +30,11 @@ def test_a_nightly_on_s3_survives_a_30_s_outage_mid_wave(prefect_harness, own_se
     cfg = tiny(uri, run_id="s3")
     assert cfg.store.retry_budget_s >= 4 * OUTAGE_S
     down: dict[str, float] = {}
+    # created here, not in the thread: moto's create_bucket checks then inserts, so the watcher's and
+    # the run's preflight creating one bucket at once could replace it, marker and all (StoreLost)
+    watcher = open_store(uri)
 
     def outage():
-        watcher = open_store(uri)
         deadline = time.monotonic() + 600
         while not watcher.exists("runs/s3/waves/000001/trajectories.parquet"):
             if time.monotonic() > deadline:
