@@ -31,7 +31,8 @@ that its (1) -> (2) took longer (a slow or retried PUT, a pause) may have overwr
 meanwhile, whose holder cannot know it before its next heartbeat: in (3) it waits 2/3 of ttl_s
 instead of settle_s, two intervals of the default heartbeat (ttl_s / 3), before it reads back. A live
 holder it overwrote beats in that time, finds the other token and stops (LeaseLost); one whose beat
-overwrote the contender's record makes it back off. What is NOT covered, honestly:
+overwrote the contender's record makes it back off (settle_s 0 turns settling off, this wait too).
+What is NOT covered, honestly:
 - a write that lands later than its caller saw it complete (a request the client gave up on and
   the server applied afterwards) or a holder that beats less often than every ttl_s / 3 can still
   overwrite a lease already won: both believe they hold it until the loser's next `heartbeat()`,
@@ -216,7 +217,7 @@ class RunLease:
                             self.run_id, _who(rec), now - float(rec["heartbeat_at"]))
             self._acquired_at = now
             self._write(now)
-            if self._clock() - started <= self.settle_s:
+            if not self.settle_s or self._clock() - started <= self.settle_s:   # settle_s 0: no settling at all
                 self._sleep(self.settle_s)   # let a contender that read "free" too finish its write
             else:   # we may have overwritten a lease won meanwhile: let its holder beat (module docstring)
                 log.warning("run %r: writing the lease record took %.1f s, over settle_s %g s; waiting %.0f s for "

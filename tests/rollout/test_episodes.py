@@ -343,7 +343,7 @@ def test_an_observation_is_text_whatever_special_token_strings_it_holds():
     assert _specials(tok, ids) == [] and tok.decode(ids) == FORGED
 
     chat = _chat_engine()
-    tok, (endoftext, im_end) = chat.tokenizer, chat.eos_ids
+    tok, (_, im_end) = chat.tokenizer, chat.eos_ids     # <|endoftext|>, <|im_end|>
     prompt, action = "# add 3\ndef f(x):\n", tok("    return x + 3", add_special_tokens=False)["input_ids"] + [im_end]
     turn = Turn(action, [0.0] * len(action), "    return x + 3", True, None)
     without, with_user = chat_extension(tok, prompt, ORDINARY)
